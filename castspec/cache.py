@@ -1,0 +1,38 @@
+"""Static, preallocated KV cache written at explicit slots.
+
+Slots are storage order, not positions: a packed tree writes its N+1 nodes to consecutive slots while their
+RoPE positions are prefix length + depth. After verification `compact` moves the committed nodes down so
+that slot == position again for everything kept.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype=torch.float32, device="cpu"):
+        shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0  # slots [0, length) hold committed entries
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B,kv,T,d] at slots [start, start+T) and return the views over [0, start+T)."""
+        end = start + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} slots needed, capacity {self.capacity}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def compact(self, keep_slots: torch.Tensor, dst: int) -> None:
+        """Gather `keep_slots` (ascending, all >= dst) to [dst, dst+len) for every layer in one indexed copy."""
+        n = keep_slots.numel()
+        self.k[:, :, :, dst:dst + n] = self.k.index_select(3, keep_slots)
+        self.v[:, :, :, dst:dst + n] = self.v.index_select(3, keep_slots)
+        self.length = dst + n
+
+    def reset(self) -> None:
+        self.length = 0

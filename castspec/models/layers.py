@@ -1,0 +1,144 @@
+"""Building blocks shared by the target decoder and the drafter (HF parameter names throughout)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight, as the HF Llama/Qwen3 norms do."""
+
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+def fused_linears(parent: nn.Module, in_features: int, outs: dict[str, int], bias: bool,
+                  dtype=None, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Create nn.Linear children named like the HF checkpoint whose weights are views into one fused matrix.
+
+    Loading a checkpoint writes through the views, so the forward can run one GEMM (q|k|v or gate|up)
+    instead of several: on CPU each op costs microseconds of dispatch, and a 30-layer decode step is
+    otherwise dominated by it. Build the module on its final device/dtype: `.to()` would break the aliasing.
+    """
+    total = sum(outs.values())
+    weight = torch.empty(total, in_features, dtype=dtype, device=device)
+    fused_bias = torch.zeros(total, dtype=dtype, device=device) if bias else None
+    offset = 0
+    for name, out in outs.items():
+        lin = nn.Linear(in_features, out, bias=False, device="meta")
+        lin.weight = nn.Parameter(weight[offset:offset + out])
+        if fused_bias is not None:
+            lin.bias = nn.Parameter(fused_bias[offset:offset + out])
+        setattr(parent, name, lin)
+        offset += out
+    return weight, fused_bias
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.gate_up_weight, self.gate_up_bias = fused_linears(
+            self, hidden, {"gate_proj": inter, "up_proj": inter}, bias, dtype, device)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class QKVProjection(nn.Module):
+    """q/k/v projections (fused), optional per-head q/k RMSNorm (Qwen3) and the output projection."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float,
+                 qk_norm: bool, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.qkv_weight, self.qkv_bias = fused_linears(
+            self, hidden, {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
+                           "v_proj": kv_heads * head_dim}, bias, dtype, device)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias, dtype=dtype, device=device)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps, dtype, device)
+            self.k_norm = RMSNorm(head_dim, eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+        self._split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B,T,H] -> q [B,h,T,d], k/v [B,kv,T,d] with RoPE applied at the given cos/sin [B,T,d]."""
+        B, T, _ = x.shape
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self._split, dim=-1)
+        q = q.view(B, T, self.heads, self.head_dim)
+        k = k.view(B, T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        return q, k, v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Keys and values only (the drafter's context rows never ask for queries)."""
+        B, T, _ = x.shape
+        kv_w = self.qkv_weight[self._split[0]:]
+        kv_b = None if self.qkv_bias is None else self.qkv_bias[self._split[0]:]
+        k, v = F.linear(x, kv_w, kv_b).split(self._split[1:], dim=-1)
+        k = k.view(B, T, self.kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        return k, v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+
+    def attend(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
+        """q [B,h,T,d] over k/v [B,kv,S,d]; mask is a bool [B|1,1,T,S] (True = visible) or None."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                             enable_gqa=self.heads != self.kv_heads)
+        B, _, T, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,h,T,d]; cos/sin [B,T,d] already in x's dtype."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class RotaryTable(nn.Module):
+    """cos/sin for every position up to max_positions, from transformers' RoPE init functions.
+
+    Precomputing the table turns RoPE into one gather per forward; positions are explicit (tree nodes sit at
+    prefix length + depth, not at their slot in the pack).
+    """
+
+    def __init__(self, rope_parameters: dict, head_dim: int, max_positions: int, hf_config=None,
+                 dtype=None, device=None):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            theta = rope_parameters["rope_theta"]
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scale = 1.0
+        else:
+            if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+                raise ValueError(f"unsupported RoPE type {rope_type!r}")
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        pos = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(pos, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor):
+        return self.cos[positions], self.sin[positions]

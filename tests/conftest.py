@@ -1,0 +1,72 @@
+"""Tiny random models in the real layouts: HF Llama/Qwen3 targets and DFlash-layout drafters."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from castspec.config import DrafterConfig
+from castspec.models.dflash import DFlashDrafter
+from castspec.models.load import build_target
+
+
+def llama_config(vocab=48, rope_scaling=False, tie=True, **kw):
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope_scaling:
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    base = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+                max_position_embeddings=512, rope_parameters=rope, eos_token_id=None, bos_token_id=None)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def qwen3_config(vocab=48, **kw):
+    base = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+                max_position_embeddings=512, eos_token_id=None, bos_token_id=None)
+    base.update(kw)
+    return Qwen3Config(**base)
+
+
+def make_hf(config, seed=0):
+    torch.manual_seed(seed)
+    cls = LlamaForCausalLM if config.model_type == "llama" else Qwen3ForCausalLM
+    model = cls(config).eval()
+    # random init is small; widen the logits so greedy choices are not near-ties
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return model
+
+
+def native(hf_model, dtype=torch.float32):
+    return build_target(hf_model.config, hf_model.state_dict(), dtype, "cpu")
+
+
+def random_drafter(target, block_size=8, layers=2, taps=None, seed=0, scale=3.0) -> DFlashDrafter:
+    t = target.cfg
+    cfg = DrafterConfig(hidden_size=t.hidden_size, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=96, rms_norm_eps=1e-6, block_size=block_size,
+                        mask_token_id=t.vocab_size - 1, target_layer_ids=taps or [0, t.num_layers - 2],
+                        num_target_layers=t.num_layers, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                        max_positions=t.max_positions, vocab_size=t.vocab_size)
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg, dtype=target.dtype)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, scale / p.shape[1] ** 0.5)
+    return d.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_hf(llama_config())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    return make_hf(qwen3_config())
