@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 
 
+def cache_dtype(model_dtype: torch.dtype, device) -> torch.dtype:
+    """fp32 on CPU (see QKVProjection.attend), the model's dtype elsewhere."""
+    return torch.float32 if torch.device(device).type == "cpu" else model_dtype
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype=torch.float32, device="cpu"):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..cache import KVCache
+from ..cache import KVCache, cache_dtype
 from ..config import TargetConfig
+from ..kernels import linear
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 
 
@@ -58,14 +58,14 @@ class Decoder(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, cache_dtype(self.dtype, self.device), self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head, in fp32 so argmax ties and softmax are not decided by bf16 rounding."""
-        return F.linear(self.model.norm(hidden), self.head_weight).float()
+        return linear(self.model.norm(hidden), self.head_weight).float()
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
                 mask: torch.Tensor | None = None, causal: bool = False,

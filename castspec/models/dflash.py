@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..cache import KVCache
+from ..cache import KVCache, cache_dtype
 from ..config import DrafterConfig
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 
@@ -58,7 +58,8 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.fc.weight.device)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, cache_dtype(self.dtype, self.fc.weight.device),
+                       self.fc.weight.device)
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """Tapped target features [B,C,K*H] -> context rows [B,C,H]."""

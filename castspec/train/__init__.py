@@ -1,0 +1,1 @@
+"""Drafter training: data generation by the target, the DFlash training loop, evaluation."""
