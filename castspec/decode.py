@@ -18,7 +18,7 @@ from .config import DecodeConfig
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .pack import pack_tree
-from .tree import Tree, build_tree
+from .tree import Tree, build_tree, universe_size
 from .verify import greedy_walk
 
 
@@ -99,6 +99,9 @@ class DraftState:
         block = torch.full((1, L + 1), self.mask_id, dtype=torch.long, device=device)
         block[0, 0] = root
         positions = torch.arange(root_pos - ctx_len, root_pos + L + 1, device=device).view(1, -1)
+        # near the end of the context the block's trailing rows (never used: depth is capped) would sit past the
+        # last position; pin them to it rather than shrink the block, which would change the rows we do use
+        positions = positions.clamp(max=self.drafter.cfg.max_positions - 1)
         hidden = self.drafter(self.target.embed(block), positions[:, ctx_len:], self.pending,
                               positions[:, :ctx_len], self.cache, start)
         self.pending = None
@@ -166,7 +169,8 @@ class Sequence:
 def max_tree_nodes(cfg: DecodeConfig, drafter: DFlashDrafter | None) -> int:
     if cfg.method == "ar" or drafter is None:
         return 0
-    return drafter.cfg.num_draft_positions if cfg.method == "chain" else cfg.resolved_width
+    L = drafter.cfg.num_draft_positions
+    return L if cfg.method == "chain" else min(cfg.resolved_width, universe_size(L, cfg.top_k_per_position))
 
 
 def choose_tree(cfg: DecodeConfig, logprobs: torch.Tensor) -> Tree:

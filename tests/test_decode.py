@@ -1,0 +1,127 @@
+"""The round loop: KV compaction, exactness of chain/cast against ar, stop handling, context errors."""
+import pytest
+import torch
+
+from castspec.config import DecodeConfig
+from castspec.decode import ContextLengthError, DecodeStats, Sequence, decode
+from castspec.engine import Engine
+from castspec.models.load import load_drafter, save_drafter
+from castspec.tree import Tree
+from conftest import llama_config, make_hf, native, qwen3_config, random_drafter
+
+
+def run(target, drafter, prompt, **kw):
+    kw.setdefault("max_new_tokens", 40)
+    return [t for chunk in decode(target, drafter, prompt, DecodeConfig(**kw)) for t in chunk]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def models(request):
+    cfg = llama_config(vocab=24) if request.param == "llama" else qwen3_config(vocab=24)
+    target = native(make_hf(cfg, seed=1))
+    return target, random_drafter(target, block_size=8, seed=2)
+
+
+def decoy_tree(truth: list[int], vocab: int) -> Tree:
+    """A wrong first child, then the true continuation under the second child (plus wrong leaves), so the
+    accepted rows are not contiguous after the root and compaction must really gather."""
+    tokens, parents, depths = [(truth[0] + 1) % vocab], [-1], [1]
+    parent = -1
+    for d, tok in enumerate(truth, start=1):
+        tokens.append(tok)
+        parents.append(parent)
+        depths.append(d)
+        parent = len(tokens) - 1
+        tokens.append((tok + 2) % vocab)  # a rejected sibling of the next true node
+        parents.append(parent)
+        depths.append(d + 1)
+    return Tree(tokens, parents, depths, [0.0] * len(tokens))
+
+
+def test_compaction_equals_recomputed_cache(models):
+    target, drafter = models
+    prompt = [5, 3, 8, 1, 9, 2, 2, 7, 4]
+    truth = run(target, None, prompt, method="ar", max_new_tokens=40)
+    seq = Sequence(target, drafter, prompt, max_new_tokens=60, max_nodes=20)
+    committed = list(prompt)
+    emitted = [seq.prefill()]
+    with torch.inference_mode():
+        while len(emitted) < 30:
+            root = seq.root
+            n = len(emitted)
+            new, path, _ = seq.verify(decoy_tree(truth[n:n + 4], 24))
+            assert path and path[0] == 2  # the decoy was skipped, the true branch accepted
+            committed += [root] + new[:-1]
+            emitted += new
+            assert seq.cache.length == len(committed)
+    assert emitted == truth[:len(emitted)]
+    fresh = target.new_cache(len(committed) + 1)
+    with torch.inference_mode():
+        target(torch.tensor([committed]), torch.arange(len(committed))[None], fresh, 0, causal=True)
+    n = len(committed)
+    torch.testing.assert_close(seq.cache.k[..., :n, :], fresh.k[..., :n, :], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(seq.cache.v[..., :n, :], fresh.v[..., :n, :], rtol=1e-4, atol=1e-5)
+    # the drafter's context cache advanced by exactly the committed positions
+    seq.draft.propose(seq.root, 3)
+    assert seq.draft.cache.length == n
+
+
+def test_chain_and_cast_equal_ar_token_for_token(models):
+    target, drafter = models
+    g = torch.Generator().manual_seed(5)
+    for _ in range(12):
+        prompt = torch.randint(0, 23, (int(torch.randint(1, 25, (1,), generator=g)),), generator=g).tolist()
+        ar = run(target, None, prompt, method="ar")
+        assert len(ar) == 40
+        for method, width, k in [("chain", "auto", 8), ("cast", 1, 8), ("cast", 7, 8), ("cast", 15, 8),
+                                 ("cast", 63, 8), ("cast", 1000, 2)]:  # 1000 > the K=2 universe (254): clamped
+            out = run(target, drafter, prompt, method=method, width=width, top_k_per_position=k)
+            assert out == ar, (method, width)
+    # random drafters still get some drafts accepted on these small vocabularies
+    stats = DecodeStats()
+    list(decode(target, drafter, [1, 2, 3], DecodeConfig(method="cast", width=63, max_new_tokens=60), stats))
+    accepted = sum(r.accepted for r in stats.rounds)
+    assert accepted > 0
+
+
+def test_stop_tokens_and_max_new_tokens(models):
+    target, drafter = models
+    prompt = [3, 1, 4, 1, 5]
+    ar = run(target, None, prompt, method="ar", max_new_tokens=30)
+    stop = ar[7]
+    first = ar.index(stop)
+    for method in ("ar", "chain", "cast"):
+        out = run(target, drafter, prompt, method=method, max_new_tokens=30, stop_token_ids=(stop,))
+        assert out == ar[:first + 1]  # stops at the first stop token, inclusive, even if it was a bonus token
+        assert run(target, drafter, prompt, method=method, max_new_tokens=5) == ar[:5]
+        assert run(target, drafter, prompt, method=method, max_new_tokens=1) == ar[:1]
+        assert run(target, drafter, prompt, method=method, max_new_tokens=0) == []
+
+
+def test_context_overflow_is_a_clear_error(models):
+    target, drafter = models
+    with pytest.raises(ContextLengthError, match="exceeds the model's context of 512"):
+        run(target, drafter, [1] * 500, method="cast", max_new_tokens=13)
+    # exactly filling the context works, and trees near the end stay within it
+    assert len(run(target, drafter, [1] * 480, method="cast", max_new_tokens=32, width=63)) == 32
+
+
+def test_drafter_round_trips_through_public_layout(models, tmp_path):
+    target, drafter = models
+    save_drafter(drafter, tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", target)
+    for (n1, p1), (n2, p2) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert run(target, loaded, [2, 7, 1], method="cast", width=15) == run(target, drafter, [2, 7, 1],
+                                                                          method="cast", width=15)
+
+
+def test_engine_requires_drafter_for_speculative_methods(models):
+    target, _ = models
+    engine = Engine(target, None, None)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        engine.generate(input_ids=[1, 2], method="cast")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.generate(prompt="hello", method="ar")
+    r = engine.generate(input_ids=[1, 2], method="ar", max_new_tokens=4)
+    assert len(r.token_ids) == 4 and r.stats.mean_accepted == 1.0
