@@ -192,6 +192,8 @@ def check_compatible(dcfg: DrafterConfig, target: Decoder, where: str) -> None:
 
 
 def load_drafter(ref, target: Decoder, dtype: torch.dtype | None = None, device=None) -> DFlashDrafter:
+    if not str(ref).strip():
+        raise LoadError("the drafter path is empty")
     path = Path(ref)
     if not path.is_dir():
         raise LoadError(f"drafter {ref!r} is not a directory (expected config.json + model.safetensors)")

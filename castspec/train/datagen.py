@@ -44,7 +44,7 @@ def batched_generate(target: Decoder, prompts: list[list[int]], max_new_tokens: 
     mask = (causal & valid[:, None, :T]) | torch.eye(T, dtype=torch.bool)
     cache = target.new_cache(T + max_new_tokens, batch=B)
     out: list[list[int]] = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool)
+    live = list(range(B))  # original row of each batch row still generating
     with torch.inference_mode():
         logits, _ = target(ids.to(device), pos.to(device), cache, 0, mask=mask[:, None].to(device),
                            logit_rows=slice(-1, None))
@@ -56,15 +56,22 @@ def batched_generate(target: Decoder, prompts: list[list[int]], max_new_tokens: 
             else:
                 tok = last.argmax(-1)
             tok = tok.cpu()
-            for r in range(B):
-                if not done[r]:
-                    out[r].append(int(tok[r]))
-                    done[r] = int(tok[r]) in stop_ids
-            if bool(done.all()) or step == max_new_tokens - 1:
+            keep = []
+            for b, r in enumerate(live):
+                t = int(tok[b])
+                out[r].append(t)
+                if t not in stop_ids:
+                    keep.append(b)
+            if not keep or step == max_new_tokens - 1:
                 break
+            if len(keep) < len(live):  # drop finished rows so they stop costing compute
+                idx = torch.tensor(keep)
+                cache.k, cache.v = cache.k[:, idx.to(device)], cache.v[:, idx.to(device)]
+                valid, next_pos, tok = valid[idx], next_pos[idx], tok[idx]
+                live = [live[b] for b in keep]
             slot = T + step
             valid[:, slot] = True
-            logits, _ = target(tok.view(B, 1).to(device), next_pos.to(device), cache, slot,
+            logits, _ = target(tok.view(-1, 1).to(device), next_pos.to(device), cache, slot,
                                mask=valid[:, None, None, :slot + 1].to(device))
             next_pos += 1
     return out
