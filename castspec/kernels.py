@@ -39,6 +39,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type == "cpu" and x.numel() == x.shape[-1] and not torch.is_grad_enabled():
         fn = _compiled_rowdot()
         if fn is not None:
-            out = fn(x.reshape(1, -1), weight).view(*x.shape[:-1], weight.shape[0])
+            # plain tensors (not Parameters) so one compiled graph per dtype serves every weight
+            out = fn(x.reshape(1, -1).detach(), weight.detach()).view(*x.shape[:-1], weight.shape[0])
             return out if bias is None else out + bias
     return F.linear(x, weight, bias)

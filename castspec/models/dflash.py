@@ -44,7 +44,7 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, dtype=torch.float32, device="cpu", hf_config=None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.hf_config = cfg, hf_config
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False, dtype=dtype, device=device)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
@@ -55,6 +55,12 @@ class DFlashDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def converted(self, dtype: torch.dtype, device=None) -> "DFlashDrafter":
+        """A copy in another dtype/device (rebuilt, because `.to()` would break the fused weight views)."""
+        clone = DFlashDrafter(self.cfg, dtype=dtype, device=device or self.fc.weight.device, hf_config=self.hf_config)
+        clone.load_state_dict({k: v.to(dtype) for k, v in self.state_dict().items()})
+        return clone.eval().requires_grad_(False)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.cfg

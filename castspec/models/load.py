@@ -88,14 +88,24 @@ def resolve_target_dir(ref: str | os.PathLike | None) -> Path:
         return gguf_to_hf_dir(path)
     if path.is_dir():
         return path
-    if str(ref).count("/") == 1 and not str(ref).startswith((".", "/")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(str(ref), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
-        except Exception as e:
-            raise LoadError(f"hub id {ref!r} could not be fetched ({type(e).__name__}); pass a local directory") from None
+    if looks_like_hub_id(ref):
+        return hub_snapshot(str(ref))
     raise LoadError(f"target {ref!r} is neither a directory, a .gguf file nor a reachable hub id")
+
+
+def looks_like_hub_id(ref) -> bool:
+    text = str(ref)
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and not Path(text).exists()
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """Download (or reuse the local copy of) a hub repository's config, weights and tokenizer files."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:
+        raise LoadError(f"hub id {repo_id!r} could not be fetched ({type(e).__name__}); pass a local directory") from None
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -194,7 +204,7 @@ def check_compatible(dcfg: DrafterConfig, target: Decoder, where: str) -> None:
 def load_drafter(ref, target: Decoder, dtype: torch.dtype | None = None, device=None) -> DFlashDrafter:
     if not str(ref).strip():
         raise LoadError("the drafter path is empty")
-    path = Path(ref)
+    path = hub_snapshot(str(ref)) if looks_like_hub_id(ref) else Path(ref)
     if not path.is_dir():
         raise LoadError(f"drafter {ref!r} is not a directory (expected config.json + model.safetensors)")
     try:

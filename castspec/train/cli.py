@@ -51,7 +51,7 @@ def register(sub) -> None:
     t.add_argument("--generate", action="store_true", help="run make-data into --data first (resumable)")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--seqs-per-step", type=int, default=4)
-    t.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
+    t.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--layers", type=int, default=3)
     t.add_argument("--lr", type=float, default=6e-4)
@@ -121,8 +121,15 @@ def _make_data(args, loaded) -> dict:
     prompts = training_prompts(seed=args.seed)
     if args.max_prompts:
         prompts = prompts[:args.max_prompts]
+    try:
+        i, n = (int(x) for x in args.part.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        from ..cli import UserError
+
+        raise UserError(f"--part must look like 0/2 (this process's index / number of processes), got {args.part!r}")
     return generate_dataset(loaded.model, loaded.tokenizer, prompts, Path(args.out_data), cfg, stop,
-                            args.limit_tokens)
+                            args.limit_tokens, part=(i, n))
 
 
 def cmd_eval_drafter(args) -> int:
@@ -155,3 +162,5 @@ def _add_datagen_args(p) -> None:
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     p.add_argument("--limit-tokens", type=int, default=None, help="stop once this many response tokens exist")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--part", default="0/1", help="i/n: generate only every n-th batch, starting at i "
+                   "(run n processes on one --out)")

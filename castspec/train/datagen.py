@@ -82,8 +82,11 @@ def shard_path(out_dir: Path, index: int) -> Path:
 
 
 def generate_dataset(target: Decoder, tokenizer, prompts: list[Prompt], out_dir: Path, cfg: DataGenConfig,
-                     stop_ids: set[int], limit_tokens: int | None = None) -> dict:
-    """Write shards of {prompt_ids, response_ids, domain, source, id}; return a summary of everything on disk."""
+                     stop_ids: set[int], limit_tokens: int | None = None, part: tuple[int, int] = (0, 1)) -> dict:
+    """Write shards of {prompt_ids, response_ids, domain, source, id}; return a summary of everything on disk.
+
+    part=(i, n) makes this process write only batches b with b % n == i, so n processes can share one dataset.
+    """
     out_dir = Path(out_dir)
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     meta = {"config": asdict(cfg), "num_prompts": len(prompts)}
@@ -96,7 +99,7 @@ def generate_dataset(target: Decoder, tokenizer, prompts: list[Prompt], out_dir:
     bar = tqdm(total=len(batches), desc="make-data", unit="batch", initial=summary["shards"])
     for b, rows in enumerate(batches):
         path = shard_path(out_dir, b)
-        if path.exists():
+        if path.exists() or b % part[1] != part[0]:
             continue
         if limit_tokens is not None and summary["response_tokens"] >= limit_tokens:
             break

@@ -38,7 +38,7 @@ class TrainError(RuntimeError):
 class TrainConfig:
     steps: int = 2000
     seqs_per_step: int = 4
-    anchors_per_seq: int = 16
+    anchors_per_seq: int = 32
     block_size: int = 16
     num_layers: int = 3
     num_taps: int = 3
@@ -51,7 +51,7 @@ class TrainConfig:
     max_seq_len: int = 768
     seed: int = 0
     bf16: bool = True
-    init_from_target: bool = True  # start drafter layers from the target's last layers (same shapes)
+    init_from_target: bool = False  # start drafter layers from the target's last layers (same shapes)
     checkpoint_every: int = 100
     export_every: int = 500
     tap_layers: list[int] = field(default_factory=list)
@@ -245,6 +245,4 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
 
 def export(drafter: DFlashDrafter, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     """Write the drafter in the public layout, in bf16 (what it runs in here; halves the shipped size)."""
-    clone = DFlashDrafter(drafter.cfg, dtype=dtype)
-    clone.load_state_dict({k: v.to(dtype) for k, v in drafter.state_dict().items()})
-    save_drafter(clone, out)
+    save_drafter(drafter.converted(dtype), out)

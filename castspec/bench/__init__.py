@@ -1,0 +1,1 @@
+"""Benchmarks: engine speed against transformers, and the method comparison harness."""
