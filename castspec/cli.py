@@ -30,6 +30,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--verifier", default="rrs", help="T > 0: rrs (proposal-aware, default) or direct")
 
 
 def parse_width(value: str) -> int | str:
@@ -44,7 +45,7 @@ def parse_width(value: str) -> int | str:
 def decode_kwargs(args) -> dict:
     return dict(method=args.method, width=parse_width(args.width), top_k_per_position=args.top_k_per_position,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed)
+                top_k=args.top_k, seed=args.seed, verifier=args.verifier)
 
 
 def check_decode_args(args) -> None:

@@ -178,6 +178,7 @@ class DecodeConfig:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    verifier: str = "rrs"  # T > 0: "rrs" (proposal-aware, recursive without replacement) or "direct"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -194,6 +195,8 @@ class DecodeConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if self.verifier not in ("rrs", "direct"):
+            raise ConfigError(f"verifier must be 'rrs' or 'direct', got {self.verifier!r}")
 
     @property
     def resolved_width(self) -> int:

@@ -19,7 +19,8 @@ from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .pack import pack_tree
 from .tree import Tree, build_tree, universe_size
-from .verify import greedy_walk
+from .sampling import LogitProcessor, Sampler
+from .verify import greedy_walk, sampled_walk
 
 
 class ContextLengthError(ValueError):
@@ -113,7 +114,7 @@ class Sequence:
     """One request's decoding state: target cache, optional draft state, the pending root."""
 
     def __init__(self, target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], max_new_tokens: int,
-                 max_nodes: int = 0):
+                 max_nodes: int = 0, sampler: Sampler | None = None, direct_walk: bool = False):
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         ctx = target.cfg.max_positions
@@ -129,6 +130,7 @@ class Sequence:
         self.draft = DraftState(drafter, target, self.capacity + L + 1) if drafter else None
         self.prompt = prompt
         self.root: int | None = None
+        self.sampler, self.direct_walk = sampler, direct_walk  # no sampler = greedy
 
     @property
     def prefix_len(self) -> int:
@@ -142,19 +144,25 @@ class Sequence:
         self.cache.length = len(self.prompt)
         if self.draft is not None:
             self.draft.add_context(feats)
-        self.root = int(logits[0, -1].argmax())
+        last = logits[0, -1]
+        self.root = self.sampler.token(last) if self.sampler else int(last.argmax())
         return self.root
 
-    def verify(self, tree: Tree) -> tuple[list[int], list[int], float]:
+    def verify(self, tree: Tree, draft_logprobs: torch.Tensor | None = None) -> tuple[list[int], list[int], float]:
         """One target pass over [root, tree]; commit. Returns (emitted tokens, accepted pack rows, forward ms)."""
         device = self.target.device
         P = self.prefix_len
         pack = pack_tree(tree, self.root, P, device)
         t = time.perf_counter()
         logits, feats = self.target(pack.ids, pack.positions, self.cache, P, mask=pack.mask, taps=self.taps)
-        greedy = logits[0].argmax(dim=-1).tolist()  # the one host sync of the verify step
-        forward_ms = (time.perf_counter() - t) * 1e3
-        path, nxt = greedy_walk(tree, greedy)
+        if self.sampler is None:
+            greedy = logits[0].argmax(dim=-1).tolist()  # the one host sync of the verify step
+            forward_ms = (time.perf_counter() - t) * 1e3
+            path, nxt = greedy_walk(tree, greedy)
+        else:
+            rows = logits[0].cpu()
+            forward_ms = (time.perf_counter() - t) * 1e3
+            path, nxt = sampled_walk(tree, rows, draft_logprobs, self.sampler, self.direct_walk)
         keep = [0, *path]
         if keep[-1] != len(keep) - 1:  # accepted rows are not already contiguous after the root: gather
             self.cache.compact(torch.tensor(keep, device=device) + P, P)
@@ -184,13 +192,15 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
     """Yield the new tokens round by round (after stop handling); fill `stats` as it goes."""
     if cfg.method != "ar" and drafter is None:
         raise ValueError(f"method {cfg.method!r} needs a drafter")
-    if cfg.temperature > 0:
-        raise NotImplementedError("sampled decoding (temperature > 0) is not available yet; use temperature 0")
     stats = stats if stats is not None else DecodeStats()
     if cfg.max_new_tokens == 0:
         return
     drafter = drafter if cfg.method != "ar" else None
-    seq = Sequence(target, drafter, prompt, cfg.max_new_tokens, max_tree_nodes(cfg, drafter))
+    sampler = None
+    if cfg.temperature > 0:
+        sampler = Sampler(LogitProcessor(cfg.temperature, cfg.top_k, cfg.top_p), cfg.seed)
+    seq = Sequence(target, drafter, prompt, cfg.max_new_tokens, max_tree_nodes(cfg, drafter), sampler,
+                   cfg.verifier == "direct")
     device = target.device
     stop = set(cfg.stop_token_ids)
     clock = time.perf_counter
@@ -209,6 +219,7 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
             need = cfg.max_new_tokens - emitted
             t = clock()
             tree = Tree.empty()
+            logprobs = None
             draft_ms = 0.0
             if seq.draft is not None and need > 1:
                 logprobs = seq.draft.propose(seq.root, min(drafter.cfg.num_draft_positions, need - 1))
@@ -224,7 +235,7 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
             else:
                 host_ms = 0.0
             tv = clock()
-            new, path, verify_ms = seq.verify(tree)
+            new, path, verify_ms = seq.verify(tree, logprobs)
             synchronize(device)
             host_ms += (clock() - tv) * 1e3 - verify_ms  # packing, walk, compaction
             stats.rounds.append(RoundStats(len(path), len(tree) + 1, draft_ms, verify_ms, host_ms))

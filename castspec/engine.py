@@ -118,10 +118,10 @@ class Engine:
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None,
                  input_ids: list[int] | None = None, max_new_tokens: int = 256, method: str = "cast",
                  width: int | str = "auto", top_k_per_position: int = 8, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> GenerateResult:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, verifier: str = "rrs") -> GenerateResult:
         stats = DecodeStats()
         kw = dict(max_new_tokens=max_new_tokens, method=method, width=width, top_k_per_position=top_k_per_position,
-                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, verifier=verifier)
         tokens = [t for chunk in self.stream(prompt, messages, input_ids, stats=stats, **kw) for t in chunk]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
         return GenerateResult(tokens, text, stats, method, self.config(**kw).resolved_width)

@@ -1,6 +1,8 @@
 """Walk a verified tree: which drafted nodes does the target accept, and what does it say next."""
 from __future__ import annotations
 
+import numpy as np
+
 from .tree import Tree
 
 
@@ -25,3 +27,67 @@ def greedy_walk(tree: Tree, target_tokens: list[int]) -> tuple[list[int], int]:
         path.append(nxt)
         row = nxt
     return path, target_tokens[row]
+
+
+def rrs_node(mu: np.ndarray, child_tokens: list[int], q: np.ndarray, sampler) -> tuple[int | None, np.ndarray]:
+    """Recursive rejection sampling without replacement over one node's children (Theorem 3).
+
+    Draw a child from q restricted to the children still available, accept it with min(1, mu(c) / q~(c)); on
+    rejection replace mu by (mu - q~)+ renormalized and remove the child. Returns (index of the accepted child,
+    None if all were rejected) and the residual target law from which the caller draws when nothing was accepted.
+    A rejected child always has mu(c) < q~(c), so its residual mass is 0 and it can never be drawn again.
+    """
+    avail = list(range(len(child_tokens)))
+    for _ in range(len(child_tokens)):
+        w = np.array([q[child_tokens[i]] for i in avail])
+        total = w.sum()
+        if total <= 0.0:  # the proposal gives no mass to what is left: fall through to the residual
+            break
+        q_tilde = w / total
+        j = sampler.choice(q_tilde)
+        tok = child_tokens[avail[j]]
+        if sampler.uniform() * q_tilde[j] < mu[tok]:  # accept with probability min(1, mu/q~)
+            return avail[j], mu
+        mu = mu.copy()
+        toks = [child_tokens[i] for i in avail]
+        mu[toks] = np.maximum(mu[toks] - q_tilde, 0.0)
+        s = mu.sum()
+        mu = mu / s if s > 0 else mu
+        del avail[j]
+    return None, mu
+
+
+def sampled_walk(tree: Tree, target_logits, draft_logprobs, sampler, direct: bool = False) -> tuple[list[int], int]:
+    """Stochastic verification from the root: the output path + next token are distributed exactly as sampling
+    the target autoregressively with the sampler's logit processing.
+
+    direct=False: proposal-aware recursive rejection sampling over each visited node's children.
+    direct=True: the simpler walk that samples the target at each node and descends if a child matches.
+    """
+    from .sampling import draft_proposal
+
+    kids: list[list[int]] = [[] for _ in range(len(tree) + 1)]
+    for i, par in enumerate(tree.parents, start=1):
+        kids[par + 1].append(i)
+    path: list[int] = []
+    row, depth = 0, 0
+    proc = sampler.processor
+    while True:
+        mu = proc.probs(target_logits[row])
+        children = kids[row]
+        if not children:
+            return path, sampler.choice(mu)
+        tokens = [tree.tokens[c - 1] for c in children]
+        if direct:
+            y = sampler.choice(mu)
+            if y not in tokens:
+                return path, y
+            nxt = children[tokens.index(y)]
+        else:
+            q = draft_proposal(draft_logprobs[depth], proc.temperature)
+            picked, mu = rrs_node(mu, tokens, q, sampler)
+            if picked is None:
+                return path, sampler.choice(mu)
+            nxt = children[picked]
+        path.append(nxt)
+        row, depth = nxt, depth + 1
