@@ -93,3 +93,27 @@ def test_bad_training_input(tiny_data, tmp_path):
     (tmp_path / "b" / "checkpoint.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(TrainError, match="corrupt or unreadable"):
         train(target, records, tmp_path / "b", tiny_config(), ROPE, progress=False)
+
+
+def test_replay_round_matches_greedy_walk():
+    from castspec.train.replay import committed_per_round
+
+    V = 5
+    logprobs = torch.log_softmax(torch.tensor([[3.0, 2.0, 0, 0, 0], [0, 3.0, 2.0, 0, 0], [0, 0, 3.0, 0, 2.0]]), -1)
+    # chain proposes 0,1,2; the target continues 0,1,4,...: chain commits 2 accepted + 1 = 3
+    assert committed_per_round(logprobs, [0, 1, 4, 3], None, 2) == 3
+    # a tree with the runner-up at depth 3 commits 0,1,4 + the target's next token
+    assert committed_per_round(logprobs, [0, 1, 4, 3], 7, 2) == 4
+    # a wrong first token commits only the target's own token
+    assert committed_per_round(logprobs, [3, 1, 4, 3], 7, 2) == 1
+
+
+def test_replay_r_runs_on_a_trained_drafter(tiny_data, tmp_path):
+    from castspec.train.replay import replay_r
+
+    target, records = tiny_data
+    train(target, records, tmp_path, tiny_config(steps=10), ROPE, progress=False)
+    drafter = load_drafter(tmp_path / "drafter", target, dtype=torch.float32)
+    r = replay_r(target, drafter, [dict(r, domain="x") for r in records[:4]], widths=(3, 15), top_k=4)
+    # best-first trees are nested, so a wider one never commits less; every round commits at least one token
+    assert r["chain"]["x"] >= 1.0 and 1.0 <= r["cast@3"]["x"] <= r["cast@15"]["x"] + 1e-9

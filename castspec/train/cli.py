@@ -58,6 +58,8 @@ def register(sub) -> None:
     t.add_argument("--mask-token-id", type=int, default=16, help="default: <empty_output> of SmolLM2")
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--export-every", type=int, default=500)
+    t.add_argument("--eval-per-domain", type=int, default=10,
+                   help="held-out prompts per domain for the replay R written to OUT/curve.json at each export")
     _add_datagen_args(t)
     t.set_defaults(func=cmd_train_drafter)
 
@@ -102,13 +104,50 @@ def cmd_train_drafter(args) -> int:
     from transformers import AutoConfig
 
     rope = rope_parameters_of(AutoConfig.from_pretrained(loaded.source))
+    on_export = None
+    if args.eval_per_domain > 0 and loaded.tokenizer is not None:
+        on_export = replay_tracker(loaded, data, out, args.eval_per_domain)
     try:
-        state = train(loaded.model, records, out, cfg, rope)
+        state = train(loaded.model, records, out, cfg, rope, on_export=on_export)
     except TrainError as e:
         raise UserError(str(e)) from None
     print(json.dumps({"steps": state.step, "epoch": state.epoch, "loss": state.ema_loss,
                       "train_tau": state.ema_accept, "drafter": str(out / "drafter")}))
     return 0
+
+
+def replay_tracker(loaded, data: Path, out: Path, per_domain: int):
+    """A hook for train(): at every export, the replay R on held-out prompts goes into out/curve.json."""
+    import torch
+
+    from ..models.load import load_drafter
+    from ..prompts import heldout_prompts
+    from .datagen import batched_generate, encode_chat
+    from .replay import replay_r
+
+    cache = data / f"heldout-{per_domain}.pt"
+    if cache.exists():
+        records = torch.load(cache, weights_only=True)
+    else:
+        prompts = heldout_prompts(per_domain)
+        stop = set(loaded.model.cfg.eos_token_ids) | {loaded.tokenizer.eos_token_id}
+        records = []
+        for i in range(0, len(prompts), 24):
+            chunk = prompts[i:i + 24]
+            enc = [encode_chat(loaded.tokenizer, p.text) for p in chunk]
+            for p, e, r in zip(chunk, enc, batched_generate(loaded.model, enc, 128, stop)):
+                records.append({"prompt_ids": e, "response_ids": r, "domain": p.domain})
+        torch.save(records, cache)
+    curve_path = out / "curve.json"
+
+    def hook(step: int, drafter_dir: Path) -> None:
+        drafter = load_drafter(drafter_dir, loaded.model)
+        curve = json.loads(curve_path.read_text()) if curve_path.exists() else []
+        curve = [c for c in curve if c["step"] < step] + [{"step": step, "replay_R": replay_r(loaded.model, drafter,
+                                                                                              records)}]
+        curve_path.write_text(json.dumps(curve, indent=2))
+
+    return hook
 
 
 def _make_data(args, loaded) -> dict:

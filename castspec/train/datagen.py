@@ -77,6 +77,13 @@ def batched_generate(target: Decoder, prompts: list[list[int]], max_new_tokens: 
     return out
 
 
+def encode_chat(tokenizer, text: str) -> list[int]:
+    """A single user turn through the tokenizer's chat template, ready for the assistant's answer."""
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
+
+
 def shard_path(out_dir: Path, index: int) -> Path:
     return out_dir / "shards" / f"shard-{index:05d}.pt"
 
@@ -91,9 +98,7 @@ def generate_dataset(target: Decoder, tokenizer, prompts: list[Prompt], out_dir:
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     meta = {"config": asdict(cfg), "num_prompts": len(prompts)}
     (out_dir / "datagen.json").write_text(json.dumps(meta, indent=2))
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                             tokenize=True) for p in prompts]
-    encoded = [list(e["input_ids"]) if hasattr(e, "keys") else list(e) for e in encoded]
+    encoded = [encode_chat(tokenizer, p.text) for p in prompts]
     batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts), cfg.batch_size)]
     summary = dataset_summary(out_dir)
     bar = tqdm(total=len(batches), desc="make-data", unit="batch", initial=summary["shards"])
