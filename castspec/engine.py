@@ -63,9 +63,11 @@ class GenerateResult:
 
 
 class Engine:
-    def __init__(self, target: Decoder, tokenizer, drafter: DFlashDrafter | None, dtype_reason: str = ""):
+    def __init__(self, target: Decoder, tokenizer, drafter: DFlashDrafter | None, dtype_reason: str = "",
+                 source: str | None = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.dtype_reason = dtype_reason
+        self.source = source  # the directory the target's weights came from
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,4 +144,5 @@ def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtyp
         drafter = default_drafter_dir()
     draft = load_drafter(drafter, loaded.model) if drafter is not None else None
     log.info("castspec: %s on %s in %s (%s)", loaded.source, dev, torch_dtype, reason)
-    return Engine(loaded.model, loaded.tokenizer, draft, f"{str(torch_dtype).replace('torch.', '')}: {reason}")
+    return Engine(loaded.model, loaded.tokenizer, draft, f"{str(torch_dtype).replace('torch.', '')}: {reason}",
+                  loaded.source)
