@@ -3,10 +3,11 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from . import demo
+    from . import demo, probe_cli
     from .bench import cli as bench_cli
     from .train import cli as train_cli
 
     demo.register(sub)
     bench_cli.register(sub)
+    probe_cli.register(sub)
     train_cli.register(sub)

@@ -174,22 +174,32 @@ class Sequence:
         return emitted, path, forward_ms
 
 
-def max_tree_nodes(cfg: DecodeConfig, drafter: DFlashDrafter | None) -> int:
+def max_tree_nodes(cfg: DecodeConfig, drafter: DFlashDrafter | None, width_rule=None) -> int:
     if cfg.method == "ar" or drafter is None:
         return 0
     L = drafter.cfg.num_draft_positions
-    return L if cfg.method == "chain" else min(cfg.resolved_width, universe_size(L, cfg.top_k_per_position))
+    if cfg.method == "chain":
+        return L
+    width = width_rule.max_width if width_rule is not None else cfg.resolved_width
+    return min(width, universe_size(L, cfg.top_k_per_position))
 
 
-def choose_tree(cfg: DecodeConfig, logprobs: torch.Tensor) -> Tree:
+def choose_tree(cfg: DecodeConfig, logprobs: torch.Tensor, width_rule=None, prefix_len: int = 0) -> Tree:
     if cfg.method == "chain":
         return build_tree(logprobs, logprobs.shape[0], 1)
-    return build_tree(logprobs, cfg.resolved_width, cfg.top_k_per_position)
+    if width_rule is None:
+        return build_tree(logprobs, cfg.resolved_width, cfg.top_k_per_position)
+    tree = build_tree(logprobs, width_rule.max_width, cfg.top_k_per_position)
+    return tree.head(width_rule.choose(tree.scores, tree.depths, prefix_len))
 
 
 def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cfg: DecodeConfig,
-           stats: DecodeStats | None = None) -> Iterator[list[int]]:
-    """Yield the new tokens round by round (after stop handling); fill `stats` as it goes."""
+           stats: DecodeStats | None = None, width_rule=None) -> Iterator[list[int]]:
+    """Yield the new tokens round by round (after stop handling); fill `stats` as it goes.
+
+    width_rule (a cost.RoundWidth) picks each round's width for method "cast" with width "auto"; without one,
+    "auto" means the fixed DEFAULT_WIDTH.
+    """
     if cfg.method != "ar" and drafter is None:
         raise ValueError(f"method {cfg.method!r} needs a drafter")
     stats = stats if stats is not None else DecodeStats()
@@ -199,7 +209,9 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
     sampler = None
     if cfg.temperature > 0:
         sampler = Sampler(LogitProcessor(cfg.temperature, cfg.top_k, cfg.top_p), cfg.seed)
-    seq = Sequence(target, drafter, prompt, cfg.max_new_tokens, max_tree_nodes(cfg, drafter), sampler,
+    if cfg.method != "cast" or cfg.width != "auto":
+        width_rule = None
+    seq = Sequence(target, drafter, prompt, cfg.max_new_tokens, max_tree_nodes(cfg, drafter, width_rule), sampler,
                    cfg.verifier == "direct")
     device = target.device
     stop = set(cfg.stop_token_ids)
@@ -230,7 +242,7 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
                     stats.first_draft_ms = draft_ms
                     t_decode = clock()
                 th = clock()
-                tree = choose_tree(cfg, logprobs)
+                tree = choose_tree(cfg, logprobs, width_rule, seq.prefix_len)
                 host_ms = (clock() - th) * 1e3
             else:
                 host_ms = 0.0
@@ -239,6 +251,8 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
             synchronize(device)
             host_ms += (clock() - tv) * 1e3 - verify_ms  # packing, walk, compaction
             stats.rounds.append(RoundStats(len(path), len(tree) + 1, draft_ms, verify_ms, host_ms))
+            if width_rule is not None:
+                width_rule.update(len(path) + 1, draft_ms + verify_ms + host_ms)
             done = False
             for i, tok in enumerate(new):
                 if tok in stop:

@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 
 from .config import DecodeConfig
+from .cost import CostProfile, RoundWidth, profile_path
 from .decode import DecodeStats, decode
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
-from .models.load import LoadError, load_drafter, load_target
+from .models.load import LoadError, cache_dir, load_drafter, load_target
+from .tree import universe_size
 
 log = logging.getLogger("castspec")
 
@@ -55,7 +57,7 @@ class GenerateResult:
     text: str
     stats: DecodeStats
     method: str
-    width: int
+    width: int | str  # as requested; stats.to_dict()["mean_packed"] - 1 is the mean realized width
 
     def to_dict(self) -> dict:
         return {"method": self.method, "width": self.width, "token_ids": self.token_ids, "text": self.text,
@@ -64,10 +66,38 @@ class GenerateResult:
 
 class Engine:
     def __init__(self, target: Decoder, tokenizer, drafter: DFlashDrafter | None, dtype_reason: str = "",
-                 source: str | None = None):
+                 source: str | None = None, drafter_source: str | None = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.dtype_reason = dtype_reason
         self.source = source  # the directory the target's weights came from
+        self.drafter_source = drafter_source
+        self._profile: CostProfile | None = None
+
+    def cost_profile(self, probe_if_missing: bool = True) -> CostProfile | None:
+        """This deployment's verify-cost profile: in memory, else from the cache, else a quick probe (cached)."""
+        if self._profile is None:
+            from .probe import QUICK_PACKED, engine_key, probe
+
+            path = profile_path(cache_dir(), engine_key(self))
+            if path.exists():
+                self._profile = CostProfile.load(path)
+            elif probe_if_missing:
+                log.warning("castspec: no cost profile for this device/dtype/target/drafter yet; probing once")
+                self._profile = probe(self, packed=QUICK_PACKED, prefix_lens=(256,), reps=3, warmup=1,
+                                      progress=False)
+                self._profile.save(path)
+        return self._profile
+
+    def set_cost_profile(self, profile: CostProfile) -> None:
+        self._profile = profile
+
+    def width_rule(self, cfg: DecodeConfig) -> RoundWidth | None:
+        """The per-round cost-aware rule behind width="auto" for `cast` (None otherwise)."""
+        if cfg.method != "cast" or cfg.width != "auto" or self.drafter is None:
+            return None
+        profile = self.cost_profile()
+        L = self.drafter.cfg.num_draft_positions
+        return RoundWidth(profile, min(profile.max_width, universe_size(L, cfg.top_k_per_position)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,7 +145,7 @@ class Engine:
         ids = self.encode(prompt, messages, input_ids)
         if cfg.method != "ar" and self.drafter is None:
             raise ValueError(f"method {cfg.method!r} needs a drafter: pass drafter=... (or use method='ar')")
-        yield from decode(self.target, self.drafter, ids, cfg, stats)
+        yield from decode(self.target, self.drafter, ids, cfg, stats, self.width_rule(cfg))
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None,
                  input_ids: list[int] | None = None, max_new_tokens: int = 256, method: str = "cast",
@@ -126,7 +156,7 @@ class Engine:
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, verifier=verifier)
         tokens = [t for chunk in self.stream(prompt, messages, input_ids, stats=stats, **kw) for t in chunk]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return GenerateResult(tokens, text, stats, method, self.config(**kw).resolved_width)
+        return GenerateResult(tokens, text, stats, method, width)
 
 
 def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtype = "auto") -> Engine:
@@ -145,4 +175,4 @@ def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtyp
     draft = load_drafter(drafter, loaded.model) if drafter is not None else None
     log.info("castspec: %s on %s in %s (%s)", loaded.source, dev, torch_dtype, reason)
     return Engine(loaded.model, loaded.tokenizer, draft, f"{str(torch_dtype).replace('torch.', '')}: {reason}",
-                  loaded.source)
+                  loaded.source, str(drafter) if drafter is not None else None)

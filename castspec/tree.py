@@ -26,6 +26,10 @@ class Tree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def head(self, n: int) -> "Tree":
+        """The first n nodes: best-first order makes every prefix of the node list a prefix-closed tree."""
+        return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
+
     @staticmethod
     def empty() -> "Tree":
         return Tree([], [], [], [])

@@ -1,0 +1,205 @@
+"""Verify-cost profiles and the width rules that turn them into a tree width (paper §3.3, Theorem 2).
+
+A profile holds measured round-time components on one deployment (device, dtype, target, drafter):
+target verify latency over packed counts n at a few prefix lengths, the drafter pass, and the host-side
+overhead h(N). The round time at width N is  l(N) = draft + h(N) + verify(n = N + 1).
+With prefix masses rho_1 >= rho_2 >= ... (the best-first tree's node probabilities), the expected committed
+tokens per round is g(N) + 1 = 1 + sum_{i <= N} rho_i, and throughput is (g(N) + 1) / l(N).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class CostProfile:
+    key: dict  # device, dtype, target, drafter
+    packed: list[int]  # n values probed (n = N + 1, the root included)
+    prefix_lens: list[int]
+    verify_ms: list[list[float]]  # [prefix][n] median target-forward latency
+    draft_ms: list[float]  # [prefix] drafter pass
+    host_ms: dict[str, float] = field(default_factory=dict)  # str(N) -> tree + pack + walk + gather
+
+    def verify_at(self, n: float, prefix: float) -> float:
+        rows = [np.interp(n, self.packed, row) for row in self.verify_ms]
+        return float(np.interp(prefix, self.prefix_lens, rows))
+
+    def host_at(self, width: int) -> float:
+        if not self.host_ms:
+            return 0.0
+        xs = sorted(int(k) for k in self.host_ms)
+        return float(np.interp(width, xs, [self.host_ms[str(x)] for x in xs]))
+
+    def round_ms(self, width: int, prefix: float) -> float:
+        """l(N): one round at width N (N = 0 is a plain autoregressive step without a draft)."""
+        draft = float(np.interp(prefix, self.prefix_lens, self.draft_ms)) if width > 0 else 0.0
+        return draft + self.host_at(width) + self.verify_at(width + 1, prefix)
+
+    def round_table(self, max_width: int, prefix: float) -> np.ndarray:
+        """l(N) for N = 0..max_width, made non-decreasing so marginal costs are never negative (noise)."""
+        table = np.array([self.round_ms(w, prefix) for w in range(max_width + 1)])
+        table[1:] = np.maximum.accumulate(table[1:])
+        return table
+
+    @property
+    def max_width(self) -> int:
+        return max(self.packed) - 1
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @staticmethod
+    def load(path: Path) -> "CostProfile":
+        return CostProfile(**json.loads(Path(path).read_text()))
+
+
+def profile_key(device: str, dtype: str, target: str, drafter: str) -> dict:
+    return {"device": device, "dtype": dtype, "target": target, "drafter": drafter}
+
+
+def profile_path(cache: Path, key: dict) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache / "profiles" / f"{key['device']}-{key['dtype']}-{digest}.json"
+
+
+def affine_fit(profile: CostProfile, prefix: float, max_width: int | None = None) -> tuple[float, float]:
+    """Least-squares c0 + c1 * n of verify(n) + h(n - 1) over the probed packed counts (draft excluded)."""
+    ns = [n for n in profile.packed if max_width is None or n <= max_width + 1]
+    ys = [profile.verify_at(n, prefix) + profile.host_at(n - 1) for n in ns]
+    c1, c0 = np.polyfit(ns, ys, 1)
+    return float(c0), float(max(c1, 0.0))
+
+
+def throughput(masses: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """(g(N) + 1) / l(N) for N = 0..len(table)-1 from sorted masses rho_1 >= rho_2 >= ..."""
+    g = np.concatenate([[0.0], np.cumsum(masses)])[:len(table)]
+    return (g + 1.0) / table[:len(g)]
+
+
+def width_affine(masses: np.ndarray, profile: CostProfile, prefix: float, max_width: int) -> int:
+    """The paper's rule: add node N+1 while rho_(N+1) >= (g(N) + 1) / l(N) * c1, with l and c1 affine."""
+    c0, c1 = affine_fit(profile, prefix, max_width)
+    draft = float(np.interp(prefix, profile.prefix_lens, profile.draft_ms))
+    g = 0.0
+    for n in range(min(max_width, len(masses))):
+        ell = draft + c0 + c1 * (n + 1)
+        if masses[n] < (g + 1.0) / ell * c1:
+            return n
+        g += masses[n]
+    return min(max_width, len(masses))
+
+
+def width_table(masses: np.ndarray, profile: CostProfile, prefix: float, max_width: int) -> int:
+    """Maximize (g(N) + 1) / l(N) over the measured (interpolated) cost table: survives cost cliffs."""
+    table = profile.round_table(min(max_width, len(masses)), prefix)
+    thr = throughput(np.asarray(masses, dtype=float), table)
+    return int(np.argmax(thr))
+
+
+@dataclass
+class Calibration:
+    """Online recalibration of drafter masses from acceptance observed while decoding.
+
+    Nodes are binned by depth and by log10 of their predicted mass; each bin keeps (hits, trials) with a prior
+    pulling toward the raw prediction. Calibrated probabilities are made monotone in the predicted mass
+    within each depth (pool-adjacent-violators), so ordering by calibrated mass keeps the tree prefix-closed
+    whenever raw ordering did.
+    """
+
+    depths: int = 16
+    bins: int = 12
+    prior: float = 4.0
+    hits: np.ndarray = None
+    trials: np.ndarray = None
+    predicted: np.ndarray = None
+
+    def __post_init__(self):
+        shape = (self.depths + 1, self.bins)
+        self.hits = np.zeros(shape) if self.hits is None else self.hits
+        self.trials = np.zeros(shape) if self.trials is None else self.trials
+        self.predicted = np.zeros(shape) if self.predicted is None else self.predicted
+
+    def _bin(self, mass: np.ndarray) -> np.ndarray:
+        # bins over log10 mass in [-6, 0]
+        x = np.clip(np.log10(np.maximum(mass, 1e-12)), -6, 0)
+        return np.minimum(((x + 6) / 6 * self.bins).astype(int), self.bins - 1)
+
+    def observe(self, depths, masses, accepted) -> None:
+        d = np.minimum(np.asarray(depths), self.depths)
+        b = self._bin(np.asarray(masses, dtype=float))
+        np.add.at(self.trials, (d, b), 1)
+        np.add.at(self.hits, (d, b), np.asarray(accepted, dtype=float))
+        np.add.at(self.predicted, (d, b), np.asarray(masses, dtype=float))
+
+    def apply(self, depths, masses) -> np.ndarray:
+        masses = np.asarray(masses, dtype=float)
+        d = np.minimum(np.asarray(depths), self.depths)
+        b = self._bin(masses)
+        mean_pred = np.where(self.trials > 0, self.predicted / np.maximum(self.trials, 1), 0)
+        # posterior mean of the hit rate with `prior` pseudo-trials at the bin's mean prediction
+        rate = (self.hits + self.prior * mean_pred) / (self.trials + self.prior)
+        rate = np.stack([pava(row, self.trials[i] + self.prior) for i, row in enumerate(rate)])
+        ratio = np.where((self.trials[d, b] > 0) & (mean_pred[d, b] > 0), rate[d, b] / np.maximum(mean_pred[d, b], 1e-12), 1.0)
+        return np.clip(masses * ratio, 0.0, 1.0)
+
+
+def pava(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Non-decreasing least-squares fit (pool adjacent violators)."""
+    blocks = [[float(v), float(w), 1] for v, w in zip(values, weights)]
+    out = []
+    for blk in blocks:
+        out.append(blk)
+        while len(out) > 1 and out[-2][0] > out[-1][0]:
+            v2, w2, n2 = out.pop()
+            v1, w1, n1 = out.pop()
+            w = w1 + w2
+            out.append([(v1 * w1 + v2 * w2) / max(w, 1e-12), w, n1 + n2])
+    return np.concatenate([[v] * n for v, _, n in out])
+
+
+class RoundWidth:
+    """The per-round (Lagrangian) rule: keep node i while rho_i >= lambda * (l(i) - l(i-1)).
+
+    lambda is the running throughput estimate (committed tokens per ms), so the width follows each prompt and
+    round. It starts from the static expectation and then tracks measured rounds (EMA).
+    """
+
+    def __init__(self, profile: CostProfile, max_width: int, init_throughput: float | None = None,
+                 calibration: Calibration | None = None, momentum: float = 0.8):
+        self.profile, self.max_width = profile, max_width
+        self.calibration = calibration
+        self.momentum = momentum
+        self.lam = init_throughput
+        self._tables: dict[int, np.ndarray] = {}
+
+    def _table(self, prefix: int) -> np.ndarray:
+        bucket = int(2 ** round(math.log2(max(prefix, 16))))  # a few tables per run, not one per round
+        if bucket not in self._tables:
+            self._tables[bucket] = self.profile.round_table(self.max_width, bucket)
+        return self._tables[bucket]
+
+    def choose(self, scores: list[float], depths: list[int], prefix: int) -> int:
+        """Width for this round from its best-first node scores (log masses, descending)."""
+        masses = np.exp(np.asarray(scores, dtype=float))
+        if self.calibration is not None and len(masses):
+            masses = self.calibration.apply(depths, masses)
+        table = self._table(prefix)
+        lam = self.lam
+        if lam is None:
+            lam = float(np.max(throughput(np.sort(masses)[::-1], table[:len(masses) + 1])))
+        n = 0
+        limit = min(len(masses), self.max_width)
+        while n < limit and masses[n] >= lam * (table[n + 1] - table[n]):
+            n += 1
+        return n
+
+    def update(self, committed: int, round_ms: float) -> None:
+        rate = committed / max(round_ms, 1e-6)
+        self.lam = rate if self.lam is None else self.momentum * self.lam + (1 - self.momentum) * rate

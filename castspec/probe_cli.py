@@ -1,0 +1,50 @@
+"""`castspec probe`: measure this deployment's verify costs and store the profile that width="auto" uses."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def cmd_probe(args) -> int:
+    from .cli import UserError, load_engine
+    from .cost import profile_path
+    from .models.load import cache_dir
+    from .probe import engine_key, plot_profile, probe
+
+    try:
+        packed = tuple(int(x) for x in args.packed.split(","))
+        prefixes = tuple(int(x) for x in args.prefix_lens.split(","))
+    except ValueError:
+        raise UserError("--packed and --prefix-lens are comma lists of integers") from None
+    if min(packed) < 1 or min(prefixes) < 1:
+        raise UserError("packed counts and prefix lengths must be >= 1")
+    engine = load_engine(args)
+    ctx = engine.target.cfg.max_positions
+    if max(prefixes) + max(packed) + 2 > ctx:
+        raise UserError(f"prefix {max(prefixes)} + {max(packed)} packed tokens exceed the context ({ctx})")
+    profile = probe(engine, packed, prefixes, reps=args.reps, warmup=args.warmup)
+    stored = profile_path(cache_dir(), engine_key(engine))
+    profile.save(stored)
+    if args.out:
+        profile.save(Path(args.out))
+    if args.plot:
+        plot_profile(profile, args.plot)
+    print(json.dumps({"profile": str(stored), "packed": profile.packed, "verify_ms": profile.verify_ms,
+                      "draft_ms": profile.draft_ms, "host_ms": profile.host_ms}, indent=2))
+    return 0
+
+
+def register(sub) -> None:
+    from .cli import add_model_args
+
+    p = sub.add_parser("probe", help="time the verify path over packed counts; store the cost profile",
+                       description="Packed forward with the tree mask and cache as decoding runs it, the drafter "
+                                   "pass and host overhead h(N); medians after warm-ups.")
+    add_model_args(p)
+    p.add_argument("--packed", default="1,2,4,8,16,24,32,48,64,96,128")
+    p.add_argument("--prefix-lens", default="128,512")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=None, help="also write the profile JSON here")
+    p.add_argument("--plot", default=None, help="PNG of latency vs packed tokens")
+    p.set_defaults(func=cmd_probe)

@@ -1,0 +1,117 @@
+"""Width rules on synthetic cost tables and mass curves with known answers; the probe; width="auto"."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from castspec.config import DecodeConfig
+from castspec.cost import Calibration, CostProfile, RoundWidth, throughput, width_affine, width_table
+from castspec.decode import decode
+from castspec.engine import Engine
+from castspec.probe import probe
+from conftest import llama_config, make_hf, native, random_drafter
+
+PACKED = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def profile_from(verify):
+    return CostProfile({"device": "test"}, PACKED, [100], [[float(verify(n)) for n in PACKED]], [2.0],
+                       {str(n - 1): 0.0 for n in PACKED})
+
+
+def masses(n=127, decay=0.06):
+    return 0.9 * np.exp(-decay * np.arange(n))  # sorted, slowly decaying prefix masses
+
+
+def test_flat_cost_picks_the_widest_tree():
+    prof = profile_from(lambda n: 10.0)
+    assert width_table(masses(), prof, 100, 127) == 127
+    assert width_affine(masses(), prof, 100, 127) == 127
+
+
+def test_steep_cost_picks_the_chain_end():
+    prof = profile_from(lambda n: 10.0 * n)  # every packed token costs a whole AR step: no room for a tree
+    assert width_table(masses(), prof, 100, 127) <= 1
+    assert width_affine(masses(), prof, 100, 127) <= 1
+
+
+def test_cliff_stops_before_it():
+    prof = profile_from(lambda n: 10.0 if n <= 16 else 30.0)  # a kernel/tile boundary after 16 packed tokens
+    n_table = width_table(masses(decay=0.2), prof, 100, 127)
+    assert n_table == 15
+    # the affine fit smears the cliff into a slope and lands elsewhere: the table rule is what handles it
+    assert width_affine(masses(decay=0.2), prof, 100, 127) != 15
+
+
+@settings(max_examples=50, deadline=None)
+@given(c0=st.floats(1, 50), c1=st.floats(0.0, 5), decay=st.floats(0.01, 2), head=st.floats(0.05, 1.0))
+def test_throughput_is_unimodal_and_the_marginal_rule_finds_its_peak(c0, c1, decay, head):
+    """Theorem 2: concave g (sorted masses) and affine cost -> unimodal throughput; stopping at the first failure
+    of rho_(N+1) >= thr(N) * c1 reaches the maximum."""
+    m = head * np.exp(-decay * np.arange(127))
+    table = c0 + c1 * np.arange(1, 129)[:128]
+    thr = throughput(m, table)
+    peak = int(np.argmax(thr))
+    diffs = np.diff(thr)
+    assert np.all(diffs[:peak] >= -1e-12) and np.all(diffs[peak:] <= 1e-12)
+    g, n = 0.0, 0
+    while n < 127 and m[n] >= (g + 1) / table[n] * c1:
+        g += m[n]
+        n += 1
+    assert abs(thr[n] - thr[peak]) <= 1e-9 * thr[peak]
+
+
+def test_round_rule_uses_marginal_cost_and_running_throughput():
+    prof = profile_from(lambda n: 10.0 if n <= 8 else 10.0 + (n - 8))
+    rule = RoundWidth(prof, max_width=127, init_throughput=0.2)
+    scores = np.log(masses(decay=0.1)).tolist()
+    n = rule.choose(scores, [1] * 127, 100)
+    m = np.exp(scores)
+    # free nodes (flat region) are always taken; paid nodes only while mass >= lambda * 1 ms
+    assert n >= 7 and np.all(m[7:n] >= 0.2) and (n == 127 or m[n] < 0.2)
+    rule.update(committed=4, round_ms=10.0)
+    assert 0.2 < rule.lam < 0.4
+
+
+def test_profile_round_trip(tmp_path):
+    prof = profile_from(lambda n: 1.0 + n)
+    prof.save(tmp_path / "p.json")
+    again = CostProfile.load(tmp_path / "p.json")
+    assert again == prof and again.round_ms(15, 100) == prof.round_ms(15, 100)
+
+
+def test_calibration_learns_observed_acceptance():
+    cal = Calibration(depths=4, bins=6)
+    rng = np.random.default_rng(0)
+    pred = rng.uniform(0.05, 0.5, 4000)
+    hit = rng.uniform(size=4000) < np.minimum(2 * pred, 1)  # the drafter is under-confident by 2x
+    cal.observe(np.full(4000, 2), pred, hit)
+    out = cal.apply([2, 2], [0.1, 0.3])
+    assert 0.15 < out[0] < 0.25 and 0.45 < out[1] < 0.7
+    assert cal.apply([3], [0.2])[0] == pytest.approx(0.2)  # unseen bins keep the raw mass
+
+
+def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monkeypatch):
+    monkeypatch.setenv("CASTSPEC_CACHE", str(tmp_path))
+    target = native(make_hf(llama_config(vocab=24), seed=1))
+    drafter = random_drafter(target, block_size=4)
+    engine = Engine(target, None, drafter, source="tiny", drafter_source="tiny-drafter")
+    prof = probe(engine, packed=(1, 2, 4, 8, 16), prefix_lens=(8, 32), reps=2, warmup=1, progress=False)
+    assert len(prof.verify_ms) == 2 and len(prof.verify_ms[0]) == 5 and all(v > 0 for v in prof.verify_ms[0])
+    assert set(prof.host_ms) == {"0", "1", "3", "7", "15"} and prof.draft_ms[0] > 0
+    # with a flat made-up cost the rule wants everything, but K=2, L=3 leaves only 14 strings
+    flat = profile_from(lambda n: 1.0)
+    engine.set_cost_profile(flat)
+    cfg = DecodeConfig(method="cast", width="auto", top_k_per_position=2, max_new_tokens=30)
+    rule = engine.width_rule(cfg)
+    assert rule.max_width == 14
+    ar = [t for c in decode(target, None, [1, 2, 3], DecodeConfig(method="ar", max_new_tokens=30)) for t in c]
+    from castspec.decode import DecodeStats
+
+    stats = DecodeStats()
+    out = [t for c in decode(target, drafter, [1, 2, 3], cfg, stats, rule) for t in c]
+    assert out == ar and max(r.packed for r in stats.rounds) <= 15
+    # a missing profile is probed once and cached for this deployment
+    engine._profile = None
+    assert engine.cost_profile() is not None and list(tmp_path.glob("profiles/*.json"))
