@@ -3,11 +3,12 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from . import demo, probe_cli
+    from . import analysis_cli, demo, probe_cli
     from .bench import cli as bench_cli
     from .train import cli as train_cli
 
     demo.register(sub)
     bench_cli.register(sub)
     probe_cli.register(sub)
+    analysis_cli.register(sub)
     train_cli.register(sub)

@@ -194,11 +194,12 @@ def choose_tree(cfg: DecodeConfig, logprobs: torch.Tensor, width_rule=None, pref
 
 
 def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cfg: DecodeConfig,
-           stats: DecodeStats | None = None, width_rule=None) -> Iterator[list[int]]:
+           stats: DecodeStats | None = None, width_rule=None, on_round=None) -> Iterator[list[int]]:
     """Yield the new tokens round by round (after stop handling); fill `stats` as it goes.
 
     width_rule (a cost.RoundWidth) picks each round's width for method "cast" with width "auto"; without one,
-    "auto" means the fixed DEFAULT_WIDTH.
+    "auto" means the fixed DEFAULT_WIDTH. on_round(logprobs, tree, accepted_rows, emitted) observes every
+    round (round logs for the width analyses); it must not modify its arguments.
     """
     if cfg.method != "ar" and drafter is None:
         raise ValueError(f"method {cfg.method!r} needs a drafter")
@@ -253,6 +254,8 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
             stats.rounds.append(RoundStats(len(path), len(tree) + 1, draft_ms, verify_ms, host_ms))
             if width_rule is not None:
                 width_rule.update(len(path) + 1, draft_ms + verify_ms + host_ms)
+            if on_round is not None and logprobs is not None:
+                on_round(logprobs, tree, path, new)
             done = False
             for i, tok in enumerate(new):
                 if tok in stop:

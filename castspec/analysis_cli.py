@@ -1,0 +1,134 @@
+"""`castspec collect | masses | width | analyze | sweep`: round logs and the width analyses."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def _load_logs(path: str):
+    import torch
+
+    from .cli import UserError
+
+    try:
+        return torch.load(path, weights_only=False)
+    except FileNotFoundError:
+        raise UserError(f"no round log at {path}: run `castspec collect --out {path}` first") from None
+    except Exception as e:
+        raise UserError(f"{path} is not a castspec round log ({type(e).__name__})") from None
+
+
+def cmd_collect(args) -> int:
+    import torch
+
+    from .cli import UserError, load_engine
+    from .prompts import heldout_prompts
+    from .analysis import collect_rounds
+
+    engine = load_engine(args)
+    if engine.drafter is None:
+        raise UserError("collect needs a drafter")
+    logs = collect_rounds(engine, heldout_prompts(args.per_domain), args.max_new_tokens, args.top_k)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(logs, args.out)
+    print(json.dumps({"rounds": len(logs), "out": args.out}))
+    return 0
+
+
+def cmd_masses(args) -> int:
+    from .analysis import mass_curves
+
+    curves = mass_curves(_load_logs(args.logs), args.max_width, args.top_k)
+    _write(args.out, curves)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for d, c in curves.items():
+            ax.plot(np.arange(1, len(c["mean_mass"]) + 1), c["mean_mass"], label=f"{d} mass")
+            ax.plot(np.arange(1, len(c["hit_rate"]) + 1), c["hit_rate"], ":", label=f"{d} realized")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("node rank in the best-first tree")
+        ax.set_ylabel("prefix mass")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+    return 0
+
+
+def cmd_width(args) -> int:
+    from .analysis import mass_curves, predicted_widths
+    from .cli import UserError
+    from .cost import CostProfile, affine_fit, throughput
+
+    try:
+        profile = CostProfile.load(Path(args.profile))
+    except FileNotFoundError:
+        raise UserError(f"no profile at {args.profile}: run `castspec probe --out {args.profile}`") from None
+    curves = mass_curves(_load_logs(args.logs), min(args.max_width, profile.max_width), args.top_k)
+    widths = predicted_widths(curves, profile, args.prefix, min(args.max_width, profile.max_width))
+    c0, c1 = affine_fit(profile, args.prefix)
+    for d, w in widths.items():
+        m = np.asarray(curves[d]["mean_mass"])
+        table = profile.round_table(len(m), args.prefix)
+        thr = throughput(m, table)
+        print(f"{d}: affine rule N*={w['affine']} (c1={c1:.3f} ms/node, stop when next mass < throughput x c1); "
+              f"table rule N*={w['table']} (max (g+1)/l = {thr[w['table']]:.4f} tok/ms; chain-length tree "
+              f"{thr[min(15, len(thr) - 1)]:.4f})")
+    _write(args.out, {"prefix": args.prefix, "c0": c0, "c1": c1, "widths": widths})
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from .analysis import analyze
+
+    report = analyze(_load_logs(args.logs))
+    _write(args.out, report)
+    print(json.dumps(report["tree_shape_at_matched_budget"], indent=2))
+    return 0
+
+
+def _write(path, obj) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=2))
+
+
+def register(sub) -> None:
+    from .cli import add_model_args
+
+    c = sub.add_parser("collect", help="round logs: top-K marginals and realized continuations (held-out prompts)")
+    add_model_args(c)
+    c.add_argument("--out", required=True, help="round log file (.pt)")
+    c.add_argument("--per-domain", type=int, default=10)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--top-k", type=int, default=32, help="ranks kept per position (>= 8 for the rank-cap ablation)")
+    c.set_defaults(func=cmd_collect)
+
+    m = sub.add_parser("masses", help="mean sorted prefix-mass curves per domain from round logs")
+    m.add_argument("--logs", required=True)
+    m.add_argument("--max-width", type=int, default=127)
+    m.add_argument("--top-k", type=int, default=8)
+    m.add_argument("--out", default=None)
+    m.add_argument("--plot", default=None)
+    m.set_defaults(func=cmd_masses)
+
+    w = sub.add_parser("width", help="N* of the affine and table rules, with why")
+    w.add_argument("--logs", required=True)
+    w.add_argument("--profile", required=True, help="profile JSON from `castspec probe --out`")
+    w.add_argument("--prefix", type=int, default=256)
+    w.add_argument("--max-width", type=int, default=127)
+    w.add_argument("--top-k", type=int, default=8)
+    w.add_argument("--out", default=None)
+    w.set_defaults(func=cmd_width)
+
+    a = sub.add_parser("analyze", help="first-rejection ranks, calibration, rank cap, tree shape (JSON)")
+    a.add_argument("--logs", required=True)
+    a.add_argument("--out", default=None)
+    a.set_defaults(func=cmd_analyze)
