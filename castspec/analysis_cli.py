@@ -132,3 +132,66 @@ def register(sub) -> None:
     a.add_argument("--logs", required=True)
     a.add_argument("--out", default=None)
     a.set_defaults(func=cmd_analyze)
+    register_sweep(sub)
+
+
+def cmd_sweep(args) -> int:
+    """Width sweep on held-out prompts + each rule's predicted width and its gain vs the sweep oracle."""
+    from .analysis import collect_rounds, mass_curves, predicted_widths
+    from .bench.harness import BenchConfig, MethodSpec, builtin_prompts, plots, run_bench
+    from .cli import UserError, load_engine
+    from .prompts import heldout_prompts
+    from .probe import probe
+
+    widths = [int(w) for w in args.widths.split(",")]
+    engine = load_engine(args)
+    if engine.drafter is None:
+        raise UserError("sweep needs a drafter")
+    profile = engine.cost_profile()
+    if args.reprobe:
+        profile = probe(engine, progress=False)
+        engine.set_cost_profile(profile)
+    prompts = builtin_prompts(args.domains.split(","), args.n)
+    methods = [MethodSpec("ar"), MethodSpec("chain"), MethodSpec("cast", "auto")] + [MethodSpec("cast", w)
+                                                                                      for w in widths]
+    cfg = BenchConfig(methods=methods, resamples=args.resamples)
+    cfg.max_new.update({d: args.max_new_tokens for d in ("code", "math", "chat")})
+    report = run_bench(engine, prompts, cfg)
+    logs = collect_rounds(engine, heldout_prompts(args.n), args.max_new_tokens, top_k=8)
+    curves = mass_curves(logs, min(max(widths), profile.max_width), 8)
+    predicted = predicted_widths(curves, profile, args.prefix, min(max(widths), profile.max_width))
+    summary = {}
+    for d, rows in report["per_domain"].items():
+        speed = {w: rows[f"cast@{w}"]["speedup_vs_ar"] for w in widths}
+        chain = rows["chain"]["speedup_vs_ar"]
+        oracle = max(speed, key=speed.get)
+        nearest = lambda n: min(widths, key=lambda w: abs(w - n))  # noqa: E731
+        entry = {"oracle_width": oracle, "oracle_gain_vs_chain": speed[oracle] / chain - 1,
+                 "auto_gain_vs_chain": rows["cast@auto"]["speedup_vs_ar"] / chain - 1}
+        for rule, n in predicted.get(d, {}).items():
+            entry[f"{rule}_width"] = n
+            entry[f"{rule}_gain_vs_chain"] = speed[nearest(n)] / chain - 1
+        summary[d] = entry
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"summary": summary, "bench": report,
+                                                "profile_key": profile.key}, indent=2))
+    plots(report, out)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def register_sweep(sub) -> None:
+    from .cli import add_model_args
+
+    s = sub.add_parser("sweep", help="width sweep vs the rules' predicted widths (JSON + plot)")
+    add_model_args(s)
+    s.add_argument("--widths", default="1,3,7,15,31,47,63,95,127")
+    s.add_argument("--domains", default="code,math,chat")
+    s.add_argument("--n", type=int, default=10, help="prompts per domain")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--prefix", type=int, default=256, help="prefix length at which the static rules read costs")
+    s.add_argument("--reprobe", action="store_true", help="probe the full grid first")
+    s.add_argument("--resamples", type=int, default=2000)
+    s.add_argument("--out", default="runs/sweep")
+    s.set_defaults(func=cmd_sweep)

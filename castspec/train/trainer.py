@@ -85,7 +85,11 @@ def init_drafter(target: Decoder, dcfg: DrafterConfig, from_target: bool, seed: 
                 dst.mlp.down_proj.weight.copy_(s.mlp.down_proj.weight.float())
                 dst.input_layernorm.weight.copy_(s.input_layernorm.weight.float())
                 dst.post_attention_layernorm.weight.copy_(s.post_attention_layernorm.weight.float())
-            d.norm.weight.copy_(target.model.norm.weight.float())
+        # At step 0 every block row is little more than its input embedding, and the tied lm_head scores that
+        # embedding against itself: with unit norm weights the first logits span tens of nats (loss ~35 instead
+        # of log V). Start the final norm small so the first logits are nearly flat (spread ~0.1).
+        spread = target.head_weight.float().std().item() * dcfg.hidden_size ** 0.5
+        d.norm.weight.fill_(0.1 / max(spread, 1e-6))
     return d
 
 
