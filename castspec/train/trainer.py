@@ -202,6 +202,8 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
     bar = tqdm(total=cfg.steps, initial=state.step, desc="train-drafter", disable=not progress)
     drafter.train()
     t0 = time.time()
+    window_loss: list[float] = []
+    window_acc: list[float] = []
     while state.step < cfg.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.step, cfg)
@@ -230,9 +232,13 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
             state.ema_accept = a if state.ema_accept is None else 0.98 * state.ema_accept + 0.02 * a
         bar.update(1)
         bar.set_postfix(loss=f"{state.ema_loss:.3f}", tau=f"{state.ema_accept:.2f}", lr=f"{lr_at(state.step, cfg):.1e}")
-        if state.step % 10 == 0:
-            state.history.append({"step": state.step, "loss": state.ema_loss, "train_tau": state.ema_accept,
+        window_loss += losses
+        window_acc += accs
+        if state.step % 10 == 0:  # raw means over the last 10 steps (the EMA in the bar lags on short runs)
+            state.history.append({"step": state.step, "loss": sum(window_loss) / max(len(window_loss), 1),
+                                  "train_tau": sum(window_acc) / max(len(window_acc), 1),
                                   "elapsed_s": time.time() - t0})
+            window_loss, window_acc = [], []
         last = state.step == cfg.steps
         if state.step % cfg.checkpoint_every == 0 or last:
             save_checkpoint(ckpt, drafter, opt, state, gen, cfg)
