@@ -42,6 +42,8 @@ def exact_rrs_law(mu, tokens, q):
     q_t = w / w.sum()
     out = np.zeros_like(mu)
     for j, t in enumerate(tokens):
+        if q_t[j] == 0:  # a zero-mass child is never drawn
+            continue
         acc = min(1.0, mu[t] / q_t[j])
         out[t] += q_t[j] * acc
         if acc < 1:
