@@ -47,6 +47,11 @@ class CostProfile:
         table[1:] = np.maximum.accumulate(table[1:])
         return table
 
+    def verify_table(self, max_width: int, prefix: float) -> np.ndarray:
+        """h(N) + verify(N + 1) for N = 0..max_width (non-decreasing): a round's cost once its draft is paid."""
+        table = np.array([self.host_at(w) + self.verify_at(w + 1, prefix) for w in range(max_width + 1)])
+        return np.maximum.accumulate(table)
+
     @property
     def max_width(self) -> int:
         return max(self.packed) - 1
@@ -182,7 +187,8 @@ class RoundWidth:
     def _table(self, prefix: int) -> np.ndarray:
         bucket = int(2 ** round(math.log2(max(prefix, 16))))  # a few tables per run, not one per round
         if bucket not in self._tables:
-            self._tables[bucket] = self.profile.round_table(self.max_width, bucket)
+            # the draft is already paid when the round decides its width: only verify + host costs are marginal
+            self._tables[bucket] = self.profile.verify_table(self.max_width, bucket)
         return self._tables[bucket]
 
     def choose(self, scores: list[float], depths: list[int], prefix: int) -> int:
