@@ -108,7 +108,7 @@ class Engine:
         return self.target.device
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
-               input_ids: list[int] | None = None) -> list[int]:
+               input_ids: list[int] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         given = [x is not None for x in (prompt, messages, input_ids)]
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt, messages, input_ids")
@@ -124,7 +124,8 @@ class Engine:
             if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                          for m in messages):
                 raise ValueError("messages must be a list of {'role': ..., 'content': ...}")
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     **(chat_template_kwargs or {}))
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
         return list(self.tokenizer.encode(prompt))
 
@@ -139,10 +140,11 @@ class Engine:
         kw.setdefault("stop_token_ids", self.stop_ids())
         return DecodeConfig(**kw)
 
-    def stream(self, prompt=None, messages=None, input_ids=None, stats: DecodeStats | None = None, **kw):
+    def stream(self, prompt=None, messages=None, input_ids=None, stats: DecodeStats | None = None,
+               chat_template_kwargs: dict | None = None, **kw):
         """Yield lists of new token ids as rounds commit them (see `generate` for the options)."""
         cfg = self.config(**kw)
-        ids = self.encode(prompt, messages, input_ids)
+        ids = self.encode(prompt, messages, input_ids, chat_template_kwargs)
         if cfg.method != "ar" and self.drafter is None:
             raise ValueError(f"method {cfg.method!r} needs a drafter: pass drafter=... (or use method='ar')")
         yield from decode(self.target, self.drafter, ids, cfg, stats, self.width_rule(cfg))
@@ -150,11 +152,13 @@ class Engine:
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None,
                  input_ids: list[int] | None = None, max_new_tokens: int = 256, method: str = "cast",
                  width: int | str = "auto", top_k_per_position: int = 8, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, verifier: str = "rrs") -> GenerateResult:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, verifier: str = "rrs",
+                 chat_template_kwargs: dict | None = None) -> GenerateResult:
         stats = DecodeStats()
         kw = dict(max_new_tokens=max_new_tokens, method=method, width=width, top_k_per_position=top_k_per_position,
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, verifier=verifier)
-        tokens = [t for chunk in self.stream(prompt, messages, input_ids, stats=stats, **kw) for t in chunk]
+        tokens = [t for chunk in self.stream(prompt, messages, input_ids, stats=stats,
+                                             chat_template_kwargs=chat_template_kwargs, **kw) for t in chunk]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
         return GenerateResult(tokens, text, stats, method, width)
 

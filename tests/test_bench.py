@@ -67,3 +67,17 @@ def test_bench_bad_input(bench_dirs, capsys):
     assert code == 2 and "no such file" in capsys.readouterr().err
     code = main(["bench", "--target", str(bench_dirs / "target"), "--methods", "beam"])
     assert code == 2 and "unknown method" in capsys.readouterr().err
+
+
+def test_hub_domains_fail_clearly_offline(monkeypatch):
+    import sys
+
+    from castspec.bench.harness import builtin_prompts
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as on a machine without the library
+    with pytest.raises(ValueError, match="needs the `datasets` library"):
+        builtin_prompts(["mbpp"], 2)
+    with pytest.raises(ValueError, match="unknown domain"):
+        builtin_prompts(["poetry"], 2)
+    math = builtin_prompts(["math"], 3)  # falls back to the held-out templated problems
+    assert len(math) == 3 and all(p.domain == "math" for p in math)

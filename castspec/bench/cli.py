@@ -58,7 +58,8 @@ def register(sub) -> None:
                                    "bootstrap CIs; writes report.json, report.md and plots to --out.")
     add_model_args(p)
     p.add_argument("--domains", default="code,math,chat", help="built-in domains (code=HumanEval, "
-                   "chat=MT-Bench turn 1, math=GSM8K via datasets or held-out templated problems)")
+                   "chat=MT-Bench turn 1, math=GSM8K via datasets or held-out templated problems) and hub sets "
+                   "through datasets: gsm8k, math500, mbpp")
     p.add_argument("--prompts", default=None, help="JSONL of {domain, prompt|messages|input_ids} instead")
     p.add_argument("--n", type=int, default=40, help="first n prompts per domain, in dataset order")
     p.add_argument("--methods", default="ar,chain,cast:auto", help="comma list: ar, chain, cast[:N|:auto], hf, hf-pld")

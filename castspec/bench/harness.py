@@ -19,6 +19,7 @@ from tqdm import tqdm
 from .stats import paired_bootstrap, ratio_of_rates
 
 DEFAULT_MAX_NEW = {"code": 256, "math": 256, "chat": 256}
+NO_THINKING = {"enable_thinking": False}  # templates with a thinking switch (Qwen3) run with it off; others ignore it
 
 
 @dataclass(frozen=True)
@@ -61,22 +62,36 @@ def builtin_prompts(domains: list[str], n: int) -> list[BenchPrompt]:
         elif d == "chat":
             rows = mtbench()[:n]
         elif d == "math":
-            rows = hub_math(n) or math_problems(n, MATH_HELDOUT_SEED)
+            rows = hub_prompts("gsm8k", n) or math_problems(n, MATH_HELDOUT_SEED)
+        elif d in HUB_SETS:
+            rows = hub_prompts(d, n)
+            if rows is None:
+                raise ValueError(f"domain {d!r} needs the `datasets` library and the hub (or use --prompts FILE)")
         else:
-            raise ValueError(f"unknown domain {d!r}; built-in domains are code, math, chat (or use --prompts)")
+            raise ValueError(f"unknown domain {d!r}; built-in domains are code, math, chat, "
+                             f"{', '.join(HUB_SETS)} (or use --prompts)")
         out += [BenchPrompt(d, p.id, messages=[{"role": "user", "content": p.text}]) for p in rows]
     return out
 
 
-def hub_math(n: int):
-    """GSM8K test questions through `datasets`, or None where the library or the hub is unavailable."""
+# name -> (dataset id, config, split, text field, domain)
+HUB_SETS = {
+    "gsm8k": ("openai/gsm8k", "main", "test", "question", "math"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "math"),
+    "mbpp": ("google-research-datasets/mbpp", "full", "test", "text", "code"),
+}
+
+
+def hub_prompts(name: str, n: int):
+    """The first n prompts of a hub dataset through `datasets`, or None where the library or hub is unavailable."""
     try:
         from datasets import load_dataset
 
         from ..prompts import Prompt
 
-        ds = load_dataset("openai/gsm8k", "main", split="test")
-        return [Prompt("math", "gsm8k", r["question"], f"gsm8k/{i}") for i, r in enumerate(ds.select(range(n)))]
+        repo, config, split, field_name, domain = HUB_SETS[name]
+        ds = load_dataset(repo, config, split=split) if config else load_dataset(repo, split=split)
+        return [Prompt(domain, name, r[field_name], f"{name}/{i}") for i, r in enumerate(ds.select(range(n)))]
     except Exception:
         return None
 
@@ -153,7 +168,8 @@ def truncate(tokens: list[int], stop: set[int], max_new: int) -> list[int]:
 def run_ours(engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperature: float, seed) -> Run:
     t0 = time.perf_counter()
     r = engine.generate(messages=p.messages, input_ids=p.input_ids, method=spec.name,
-                        width=spec.width or "auto", max_new_tokens=max_new, temperature=temperature, seed=seed)
+                        width=spec.width or "auto", max_new_tokens=max_new, temperature=temperature, seed=seed,
+                        chat_template_kwargs=NO_THINKING)
     e2e = (time.perf_counter() - t0) * 1e3
     s = r.stats
     return Run(p, spec.label, seed, r.token_ids, s.decode_ms, e2e, s.num_rounds,
@@ -161,7 +177,7 @@ def run_ours(engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperature
 
 
 def run_hf(hf, engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperature: float, seed) -> Run:
-    ids = engine.encode(messages=p.messages, input_ids=p.input_ids)
+    ids = engine.encode(messages=p.messages, input_ids=p.input_ids, chat_template_kwargs=NO_THINKING)
     streamer = TimingStreamer()
     kw = dict(max_new_tokens=max_new, streamer=streamer, pad_token_id=0)
     if temperature > 0:
