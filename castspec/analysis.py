@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from .config import DecodeConfig
 from .decode import decode
-from .tree import Tree, build_tree
+from .tree import build_tree
 
 
 def collect_rounds(engine, prompts, max_new_tokens: int = 128, top_k: int = 32, width: int = 15,
@@ -42,49 +42,27 @@ def collect_rounds(engine, prompts, max_new_tokens: int = 128, top_k: int = 32, 
     return logs
 
 
-def _logprob_matrix(log: dict, K: int) -> torch.Tensor:
-    """A [depth, V'] stand-in for the marginals: the top-K log-probs over a compact id space, so that the tree
-    builder and the walk see exactly the candidates and scores the decoder saw."""
-    vals = torch.from_numpy(np.asarray(log["top_logprobs"])[:, :K])
-    return vals
-
-
-def replay_commit(log: dict, width: int | None, K: int = 8) -> tuple[int, Tree]:
-    """Committed tokens of a greedy round with the best-first tree of `width` (None = chain) over top-K."""
+def node_outcomes(log: dict, width: int | None, K: int = 8):
+    """(depth, rank at its position, mass, accepted?) for every node of the best-first tree of `width` over the
+    logged top-K (None = the top-1 chain). The tree is built on the compact [depth, K] log-prob matrix, so it sees
+    exactly the candidates and scores the decoder saw; its column indices map back to token ids."""
     ids = np.asarray(log["top_ids"])[:, :K]
-    depth = min(ids.shape[0], len(log["continuation"]) - 1)
-    if depth < 1:
-        return 1, Tree.empty()
-    lp = _logprob_matrix(log, K)[:depth]
-    tree = build_tree(lp, lp.shape[0], 1) if width is None else build_tree(lp, width, K)
-    # map ranks back to token ids: build_tree on the compact matrix returns column indices
     cont = log["continuation"]
-    accepted = 0
-    row_path = {-1: ()}
-    best = 0
-    for i, (col, par, d) in enumerate(zip(tree.tokens, tree.parents, tree.depths)):
-        path = row_path[par] + (int(ids[d - 1, col]),)
-        row_path[i] = path
-        if list(path) == cont[:len(path)]:
-            best = max(best, len(path))
-    accepted = best
-    return accepted + 1, tree
-
-
-def node_outcomes(log: dict, width: int, K: int = 8):
-    """(depth, rank at its position, mass, accepted?) for every node of the best-first tree of `width`."""
-    ids = np.asarray(log["top_ids"])[:, :K]
-    depth = min(ids.shape[0], len(log["continuation"]) - 1)
+    depth = min(ids.shape[0], len(cont) - 1)
     if depth < 1:
         return []
-    lp = _logprob_matrix(log, K)[:depth]
-    tree = build_tree(lp, width, K)
-    cont = log["continuation"]
+    lp = torch.from_numpy(np.asarray(log["top_logprobs"])[:depth, :K])
+    tree = build_tree(lp, depth, 1) if width is None else build_tree(lp, width, K)
     out, paths = [], {-1: ()}
     for i, (col, par, d, s) in enumerate(zip(tree.tokens, tree.parents, tree.depths, tree.scores)):
         paths[i] = paths[par] + (int(ids[d - 1, col]),)
         out.append((d, int(col), float(np.exp(s)), list(paths[i]) == cont[:d]))
     return out
+
+
+def replay_commit(log: dict, width: int | None, K: int = 8) -> int:
+    """Committed tokens of a greedy round with that tree: the deepest accepted node (prefix-closed) + 1."""
+    return 1 + max((d for d, _, _, ok in node_outcomes(log, width, K) if ok), default=0)
 
 
 def mass_curves(logs: list[dict], max_width: int = 127, K: int = 8) -> dict:
@@ -139,12 +117,12 @@ def analyze(logs: list[dict], K_small: int = 8, budgets=(15, 31, 63)) -> dict:
     ablation, shapes = {}, {}
     for d in doms:
         ds = [log for log in logs if log["domain"] == d]
-        ablation[d] = {f"N={n}": {f"K={k}": float(np.mean([replay_commit(log, n, k)[0] for log in ds]))
+        ablation[d] = {f"N={n}": {f"K={k}": float(np.mean([replay_commit(log, n, k) for log in ds]))
                                   for k in (K_small, Kmax)} for n in budgets}
-        shapes[d] = {f"N={n}": {"top-N best-first": float(np.mean([replay_commit(log, n, K_small)[0] for log in ds])),
+        shapes[d] = {f"N={n}": {"top-N best-first": float(np.mean([replay_commit(log, n, K_small) for log in ds])),
                                 "fixed K-ary then chains": float(np.mean([fixed_shape_commit(log, n) for log in ds]))}
                      for n in budgets}
-        shapes[d]["chain"] = float(np.mean([replay_commit(log, None)[0] for log in ds]))
+        shapes[d]["chain"] = float(np.mean([replay_commit(log, None) for log in ds]))
     report["rank_cap_ablation"] = ablation
     report["tree_shape_at_matched_budget"] = shapes
     return report

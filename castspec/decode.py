@@ -238,7 +238,7 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
                 logprobs = seq.draft.propose(seq.root, min(drafter.cfg.num_draft_positions, need - 1))
                 synchronize(device)
                 draft_ms = (clock() - t) * 1e3
-                if not stats.rounds and stats.first_draft_ms == 0.0:
+                if not stats.rounds:
                     # the decode-only timer opens after prefill and the first draft (Appendix D)
                     stats.first_draft_ms = draft_ms
                     t_decode = clock()

@@ -90,7 +90,7 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             def host_work():
                 tree = build_tree(logprobs, width, top_k)
                 pack_tree(tree, 0, 8, device)
-                path, _ = greedy_walk(tree, [0] * (width + 1))
+                greedy_walk(tree, [0] * (width + 1))
                 cache_seq.cache.compact(torch.arange(8, 8 + min(width, L) + 1, device=device), 8)
 
             host[str(width)] = _median_ms(host_work, reps, warmup, device)

@@ -12,27 +12,18 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from ..analysis import replay_commit
 from ..models.decoder import Decoder
 from ..models.dflash import DFlashDrafter
-from ..tree import build_tree
-from ..verify import greedy_walk
 from .blocks import block_inputs, block_mask
 from .trainer import target_features
 
 
 def committed_per_round(logprobs: torch.Tensor, truth: list[int], width: int | None, top_k: int) -> int:
     """Tokens a greedy round commits when the target's continuation is `truth` (width None = chain)."""
-    tree = build_tree(logprobs, logprobs.shape[0], 1) if width is None else build_tree(logprobs, width, top_k)
-    # the target's argmax at each pack row is the true next token after that row's path, if the path is a prefix
-    rows = [truth[0]]
-    paths = [()]
-    for tok, par in zip(tree.tokens, tree.parents):
-        path = paths[par + 1] + (tok,)
-        paths.append(path)
-        ok = list(path) == truth[:len(path)] and len(path) < len(truth)
-        rows.append(truth[len(path)] if ok else -1)
-    accepted, _ = greedy_walk(tree, rows)
-    return len(accepted) + 1
+    vals, ids = logprobs.float().topk(min(top_k, logprobs.shape[-1]), dim=-1)
+    log = {"top_logprobs": vals.numpy(), "top_ids": ids.numpy(), "continuation": truth}
+    return replay_commit(log, width, top_k)
 
 
 @torch.no_grad()
