@@ -6,6 +6,8 @@ that slot == position again for everything kept.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -41,3 +43,18 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+
+@dataclass
+class Segment:
+    """The next `length` rows of a flattened (ragged) forward, all belonging to one cache.
+
+    Their keys/values go to slots [start, start + length) of `cache`; `mask` (bool [1,1,length,start+length],
+    True = visible) or `causal` (plain triangle, only with start == 0) says what they see; neither = everything.
+    """
+
+    cache: KVCache
+    start: int
+    length: int
+    mask: torch.Tensor | None = None
+    causal: bool = False

@@ -9,6 +9,7 @@ tokens per round is g(N) + 1 = 1 + sum_{i <= N} rho_i, and throughput is (g(N) +
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -25,10 +26,31 @@ class CostProfile:
     verify_ms: list[list[float]]  # [prefix][n] median target-forward latency
     draft_ms: list[float]  # [prefix] drafter pass
     host_ms: dict[str, float] = field(default_factory=dict)  # str(N) -> tree + pack + walk + gather
+    # batched shapes (serving): str(B) -> {"packed": total packed tokens, "verify_ms": [...], "draft_ms": float}
+    batch: dict[str, dict] = field(default_factory=dict)
 
     def verify_at(self, n: float, prefix: float) -> float:
         rows = [np.interp(n, self.packed, row) for row in self.verify_ms]
         return float(np.interp(prefix, self.prefix_lens, rows))
+
+    def batch_verify_at(self, batch: int, n_total: float, prefix: float) -> float:
+        """Verify latency of one ragged forward of `batch` requests with `n_total` packed tokens in all.
+
+        Interpolated over the probed batch sizes; without batched measurements (or at B = 1) the single-request
+        curve at the same total is the estimate (the projections, which dominate, see only the total)."""
+        probed = sorted(int(b) for b in self.batch)
+        if batch == 1 or not probed:
+            return self.verify_at(n_total, prefix)
+
+        def at(b: int) -> float:
+            entry = self.batch[str(b)]
+            return float(np.interp(n_total, entry["packed"], entry["verify_ms"]))
+
+        lo = max([b for b in probed if b <= batch], default=probed[0])
+        hi = min([b for b in probed if b >= batch], default=probed[-1])
+        if lo == hi:
+            return at(lo)
+        return float(np.interp(batch, [lo, hi], [at(lo), at(hi)]))
 
     def host_at(self, width: int) -> float:
         if not self.host_ms:
@@ -47,9 +69,11 @@ class CostProfile:
         table[1:] = np.maximum.accumulate(table[1:])
         return table
 
-    def verify_table(self, max_width: int, prefix: float) -> np.ndarray:
-        """h(N) + verify(N + 1) for N = 0..max_width (non-decreasing): a round's cost once its draft is paid."""
-        table = np.array([self.host_at(w) + self.verify_at(w + 1, prefix) for w in range(max_width + 1)])
+    def verify_table(self, max_width: int, prefix: float, batch: int = 1) -> np.ndarray:
+        """h(N) + verify(N + B) for N = 0..max_width tree nodes in all (non-decreasing): a round's cost once its
+        draft is paid, for B requests (each with its root) in one ragged verify."""
+        table = np.array([self.host_at(w) + self.batch_verify_at(batch, w + batch, prefix)
+                          for w in range(max_width + 1)])
         return np.maximum.accumulate(table)
 
     @property
@@ -82,10 +106,11 @@ def affine_fit(profile: CostProfile, prefix: float, max_width: int | None = None
     return float(c0), float(max(c1, 0.0))
 
 
-def throughput(masses: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """(g(N) + 1) / l(N) for N = 0..len(table)-1 from sorted masses rho_1 >= rho_2 >= ..."""
+def throughput(masses: np.ndarray, table: np.ndarray, roots: int = 1) -> np.ndarray:
+    """(g(N) + B) / l(N) for N = 0..len(table)-1 from sorted masses rho_1 >= rho_2 >= ... (B = roots: each
+    request in the round commits its target token whatever the tree)."""
     g = np.concatenate([[0.0], np.cumsum(masses)])[:len(table)]
-    return (g + 1.0) / table[:len(g)]
+    return (g + roots) / table[:len(g)]
 
 
 def width_affine(masses: np.ndarray, profile: CostProfile, prefix: float, max_width: int) -> int:
@@ -184,27 +209,44 @@ class RoundWidth:
         self.lam = init_throughput
         self._tables: dict[int, np.ndarray] = {}
 
-    def _table(self, prefix: int) -> np.ndarray:
+    def _table(self, prefix: int, batch: int) -> np.ndarray:
         bucket = int(2 ** round(math.log2(max(prefix, 16))))  # a few tables per run, not one per round
-        if bucket not in self._tables:
+        if (bucket, batch) not in self._tables:
             # the draft is already paid when the round decides its width: only verify + host costs are marginal
-            self._tables[bucket] = self.profile.verify_table(self.max_width, bucket)
-        return self._tables[bucket]
+            self._tables[bucket, batch] = self.profile.verify_table(self.max_width * batch, bucket, batch)
+        return self._tables[bucket, batch]
 
     def choose(self, scores: list[float], depths: list[int], prefix: int) -> int:
         """Width for this round from its best-first node scores (log masses, descending)."""
-        masses = np.exp(np.asarray(scores, dtype=float))
-        if self.calibration is not None and len(masses):
-            masses = self.calibration.apply(depths, masses)
-        table = self._table(prefix)
+        return self.allocate([scores], [depths], [prefix])[0]
+
+    def allocate(self, scores: list[list[float]], depths: list[list[int]], prefixes: list[int]) -> list[int]:
+        """Nodes per request for one batched round (Proposition 3): repeatedly take the best next candidate of
+        any request while its mass pays for one more packed token of the batch's verify at throughput lambda.
+        Each request's nodes are taken in its own best-first order, so every tree stays prefix-closed."""
+        B = len(scores)
+        masses = []
+        for sc, dp in zip(scores, depths):
+            m = np.exp(np.asarray(sc, dtype=float))[:self.max_width]
+            if self.calibration is not None and len(m):
+                m = self.calibration.apply(dp[:len(m)], m)
+            masses.append(m)
+        table = self._table(int(np.mean(prefixes)) if prefixes else 0, B)
         lam = self.lam
         if lam is None:
-            lam = float(np.max(throughput(np.sort(masses)[::-1], table[:len(masses) + 1])))
+            merged = np.sort(np.concatenate(masses))[::-1] if masses else np.zeros(0)
+            lam = float(np.max(throughput(merged, table[:len(merged) + 1], roots=B)))
+        taken = [0] * B
+        heap = [(-m[0], i) for i, m in enumerate(masses) if len(m)]
+        heapq.heapify(heap)
         n = 0
-        limit = min(len(masses), self.max_width)
-        while n < limit and masses[n] >= lam * (table[n + 1] - table[n]):
+        while heap and n + 1 < len(table) and -heap[0][0] >= lam * (table[n + 1] - table[n]):
+            _, i = heapq.heappop(heap)
+            taken[i] += 1
             n += 1
-        return n
+            if taken[i] < len(masses[i]):
+                heapq.heappush(heap, (-masses[i][taken[i]], i))
+        return taken
 
     def update(self, committed: int, round_ms: float) -> None:
         rate = committed / max(round_ms, 1e-6)

@@ -10,7 +10,9 @@ import torch
 from tqdm import tqdm
 
 from .cost import CostProfile, profile_key
-from .decode import Sequence, synchronize
+from .batch import run_round, synchronize
+from .config import DecodeConfig
+from .sequence import Sequence
 from .pack import pack_tree
 from .tree import build_tree
 from .verify import greedy_walk
@@ -53,8 +55,8 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
     with torch.inference_mode():
         for P in prefix_lens:
             prompt = torch.randint(0, V, (P,), generator=g).tolist()
-            seq = Sequence(target, drafter, prompt, max_new_tokens=2, max_nodes=max(packed))
-            seq.prefill()
+            seq = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), max(packed))
+            run_round(target, drafter, [seq], None, prefill_budget=P)
             taps = seq.taps
             row = []
             for n in packed:
@@ -75,15 +77,15 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
                 def draft():
                     seq.draft.cache.length = P - keep
                     seq.draft.pending = ctx[:, -keep:]
-                    seq.draft.propose(seq.root, L)
+                    seq.draft.propose(target, seq.root, L)
 
-                seq.draft.propose(seq.root, L)  # fill the context cache once
+                seq.draft.propose(target, seq.root, L)  # fill the context cache once
                 draft_ms.append(_median_ms(draft, reps, warmup, device))
             else:
                 draft_ms.append(0.0)
             bar.update(1)
         host = {}
-        cache_seq = Sequence(target, None, [0] * 8, max_new_tokens=2, max_nodes=max(packed))
+        cache_seq = Sequence(target, None, [0] * 8, DecodeConfig(method="ar", max_new_tokens=2), max(packed))
         for n in packed:
             width = n - 1
 

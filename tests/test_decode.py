@@ -3,7 +3,10 @@ import pytest
 import torch
 
 from castspec.config import DecodeConfig
-from castspec.decode import ContextLengthError, DecodeStats, Sequence, decode
+from castspec.allocate import Policy
+from castspec.batch import run_round
+from castspec.decode import ContextLengthError, DecodeStats, decode
+from castspec.sequence import Sequence
 from castspec.engine import Engine
 from castspec.models.load import load_drafter, save_drafter
 from castspec.tree import Tree
@@ -38,18 +41,37 @@ def decoy_tree(truth: list[int], vocab: int) -> Tree:
     return Tree(tokens, parents, depths, [0.0] * len(tokens))
 
 
+class DecoyPolicy(Policy):
+    """Verifies a hand-made tree: the true continuation behind a rejected decoy branch."""
+
+    def __init__(self, truth):
+        self.truth, self.emitted = truth, 1
+
+    def max_nodes(self, depth):
+        return 24
+
+    def allocate(self, logprobs, prefixes):
+        n = self.emitted
+        return [decoy_tree(self.truth[n:n + 4], 24)]
+
+
 def test_compaction_equals_recomputed_cache(models):
     target, drafter = models
     prompt = [5, 3, 8, 1, 9, 2, 2, 7, 4]
     truth = run(target, None, prompt, method="ar", max_new_tokens=40)
-    seq = Sequence(target, drafter, prompt, max_new_tokens=60, max_nodes=20)
+    policy = DecoyPolicy(truth)
+    seq = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=60), policy.max_nodes(15))
     committed = list(prompt)
-    emitted = [seq.prefill()]
     with torch.inference_mode():
+        emitted = run_round(target, drafter, [seq], policy, prefill_budget=4).emitted.get(id(seq), [])
+        assert emitted == [] and seq.prefilled == 4  # chunked prefill: the prompt takes three rounds
+        while seq.root is None:
+            emitted = run_round(target, drafter, [seq], policy, prefill_budget=4).emitted[id(seq)]
         while len(emitted) < 30:
             root = seq.root
-            n = len(emitted)
-            new, path, _ = seq.verify(decoy_tree(truth[n:n + 4], 24))
+            policy.emitted = len(emitted)
+            out = run_round(target, drafter, [seq], policy)
+            new, path = out.emitted[id(seq)], out.paths[id(seq)]
             assert path and path[0] == 2  # the decoy was skipped, the true branch accepted
             committed += [root] + new[:-1]
             emitted += new
@@ -62,7 +84,7 @@ def test_compaction_equals_recomputed_cache(models):
     torch.testing.assert_close(seq.cache.k[..., :n, :], fresh.k[..., :n, :], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(seq.cache.v[..., :n, :], fresh.v[..., :n, :], rtol=1e-4, atol=1e-5)
     # the drafter's context cache advanced by exactly the committed positions
-    seq.draft.propose(seq.root, 3)
+    seq.draft.propose(target, seq.root, 3)
     assert seq.draft.cache.length == n
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..cache import KVCache, cache_dtype
+from ..cache import KVCache, Segment, cache_dtype
 from ..config import TargetConfig
 from ..kernels import linear
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
@@ -23,10 +23,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, causal):
+    def forward(self, x, cos, sin, segments: list[Segment], layer: int):
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        k, v = cache.write(layer, k, v, start)
-        x = x + self.self_attn.attend(q, k, v, mask, causal)
+        x = x + self.self_attn.attend_segments(q, k, v, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -77,12 +76,19 @@ class Decoder(nn.Module):
         Returns (logits [B,R,V] fp32 for `logit_rows` (all rows when None; no logits when an empty slice),
         taps [B,T,len(taps)*H] = hidden states after each tapped layer, concatenated; None without taps).
         """
+        segment = Segment(cache, start, ids.shape[1], mask, causal)
+        return self.forward_segments(ids, positions, [segment], logit_rows, taps)
+
+    def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                         logit_rows: torch.Tensor | slice | None = None, taps: tuple[int, ...] = ()):
+        """The ragged forward: the rows of ids/positions [B,T] are split, in order, into `segments`, each with
+        its own cache, slots and mask (one request each when serving). Returns as `forward`."""
         x = self.embed(ids)
         cos, sin = self.rope(positions)
         tapped = []
         tap_set = set(taps)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, start, mask, causal)
+            x = layer(x, cos, sin, segments, i)
             if i in tap_set:
                 tapped.append(x)
         features = None

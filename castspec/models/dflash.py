@@ -7,12 +7,29 @@ target's lm_head, are q_1..q_L. The checkpoint has no embedding and no lm_head: 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
 from ..cache import KVCache, cache_dtype
 from ..config import DrafterConfig
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
+
+
+@dataclass
+class DraftSegment:
+    """One request in a flattened drafter pass: its next `ctx_length` context rows and `block_length` block rows.
+
+    With a cache, the context rows' keys/values go to slots [start, start + ctx_length) and the block sees the
+    whole cache; without one (training) the keys are exactly [context rows, block rows] and `mask` decides.
+    """
+
+    cache: KVCache | None
+    start: int
+    ctx_length: int
+    block_length: int
+    mask: torch.Tensor | None = None
 
 
 class DrafterLayer(nn.Module):
@@ -25,19 +42,22 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(H, cfg.intermediate_size, False, dtype, device)
 
-    def forward(self, x, ctx, ctx_rope, block_rope, cache: KVCache | None, layer: int, start: int, mask):
-        """x: block rows [B,T,H]; ctx: fused context rows [B,C,H] not yet in `cache` (written at `start`).
-
-        Without a cache (training) the keys are exactly [ctx, block] and `mask` says who sees what.
-        """
+    def forward(self, x, ctx, ctx_rope, block_rope, segments: list[DraftSegment], layer: int):
+        """x: block rows [B,Tb,H]; ctx: fused context rows [B,Tc,H], both split in order by `segments`."""
         attn = self.self_attn
         k_ctx, v_ctx = attn.project_kv(ctx, *ctx_rope)
-        if cache is not None:
-            k_ctx, v_ctx = cache.write(layer, k_ctx, v_ctx, start)
         q, k_blk, v_blk = attn.project(self.input_layernorm(x), *block_rope)
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
-        x = x + attn.attend(q, k, v, mask)
+        outs, c0, b0 = [], 0, 0
+        for seg in segments:
+            c1, b1 = c0 + seg.ctx_length, b0 + seg.block_length
+            kc, vc = k_ctx[:, :, c0:c1], v_ctx[:, :, c0:c1]
+            if seg.cache is not None:
+                kc, vc = seg.cache.write(layer, kc, vc, seg.start)
+            k = torch.cat([kc, k_blk[:, :, b0:b1]], dim=2)
+            v = torch.cat([vc, v_blk[:, :, b0:b1]], dim=2)
+            outs.append(attn.sdpa(q[:, :, b0:b1], k, v, seg.mask))
+            c0, b0 = c1, b1
+        x = x + attn.output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -80,12 +100,19 @@ class DFlashDrafter(nn.Module):
         the block sees every cached row. The block's own keys are never cached: the next round's context is
         whatever the target commits.
         """
+        seg = DraftSegment(cache, start, features.shape[1], block_emb.shape[1], mask)
+        return self.forward_segments(block_emb, block_pos, features, ctx_pos, [seg])
+
+    def forward_segments(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
+                         ctx_pos: torch.Tensor, segments: list[DraftSegment]) -> torch.Tensor:
+        """One pass for several requests: block and context rows are concatenated in segment order."""
         ctx = self.fuse_context(features)
         ctx_rope = self.rope(ctx_pos)
         block_rope = self.rope(block_pos)
         x = block_emb.to(self.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, ctx_rope, block_rope, cache, i, start, mask)
-        if cache is not None:
-            cache.length = start + ctx.shape[1]
+            x = layer(x, ctx, ctx_rope, block_rope, segments, i)
+        for seg in segments:
+            if seg.cache is not None:
+                seg.cache.length = seg.start + seg.ctx_length
         return self.norm(x)

@@ -96,16 +96,37 @@ class QKVProjection(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         return k, v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
 
-    def attend(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
+    def sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
         """q [B,h,T,d] over k/v [B,kv,S,d]; mask is a bool [B|1,1,T,S] (True = visible) or None."""
         # q follows the cache's dtype: CPU caches are fp32 because torch's bf16 CPU attention kernels are an
         # order of magnitude slower than its fp32 ones at decode shapes.
-        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
-                                             is_causal=causal and mask is None,
-                                             enable_gqa=self.heads != self.kv_heads)
+        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                              is_causal=causal and mask is None,
+                                              enable_gqa=self.heads != self.kv_heads)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [B,h,T,d] -> o_proj over [B,T,h*d]."""
         B, _, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return linear(out.to(self.o_proj.weight.dtype), self.o_proj.weight, self.o_proj.bias)
+
+    def attend(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
+        return self.output(self.sdpa(q, k, v, mask, causal))
+
+    def attend_segments(self, q, k, v, segments, layer: int) -> torch.Tensor:
+        """Ragged attention: consecutive row ranges of q/k/v [B,*,T,d] belong to different caches.
+
+        Each segment writes its keys/values to its own cache at its own slots and attends over that cache only,
+        so requests of any prefix length share one forward (the projections and MLPs run once over all rows)
+        without padding to the longest one.
+        """
+        outs, off = [], 0
+        for seg in segments:
+            end = off + seg.length
+            ks, vs = seg.cache.write(layer, k[:, :, off:end], v[:, :, off:end], seg.start)
+            outs.append(self.sdpa(q[:, :, off:end], ks, vs, seg.mask, seg.causal))
+            off = end
+        return self.output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

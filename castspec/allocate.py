@@ -1,0 +1,128 @@
+"""Who gets how many tree nodes this round: allocation policies over B requests' candidate universes.
+
+Every policy maps the drafted marginals of the requests that draft this round to one best-first tree each.
+With one request, `fixed` and `cost` are the paper's fixed width N and the per-round cost-aware width; under
+load `shared` spends one global budget M on the highest-scoring candidates wherever they are (Proposition 2),
+and `cost` also picks M from the measured cost of the whole batched verify (Proposition 3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cost import RoundWidth
+from .tree import Tree, build_forest, build_tree, universe_size
+
+POLICIES = ("chain", "fixed", "uniform", "shared", "cost")
+
+
+class Policy:
+    name = "base"
+
+    def max_nodes(self, depth: int) -> int:
+        """The most nodes one request's tree can get (sizes its KV cache)."""
+        raise NotImplementedError
+
+    def allocate(self, logprobs: list[torch.Tensor], prefixes: list[int]) -> list[Tree]:
+        raise NotImplementedError
+
+    def update(self, committed: int, round_ms: float) -> None:
+        """Feedback after each round: tokens committed by the whole batch and the round's wall time."""
+
+
+class Chain(Policy):
+    """Standard DFlash: the top-1 token at every drafted position."""
+
+    name = "chain"
+
+    def max_nodes(self, depth: int) -> int:
+        return depth
+
+    def allocate(self, logprobs, prefixes):
+        return [build_tree(lp, lp.shape[0], 1) for lp in logprobs]
+
+
+@dataclass
+class FixedWidth(Policy):
+    """Every request gets its own top-`width` tree."""
+
+    width: int
+    top_k: int = 8
+    name = "fixed"
+
+    def max_nodes(self, depth: int) -> int:
+        return min(self.width, universe_size(depth, self.top_k))
+
+    def allocate(self, logprobs, prefixes):
+        return [build_tree(lp, self.width, self.top_k) for lp in logprobs]
+
+
+@dataclass
+class UniformSplit(Policy):
+    """One budget of `budget` nodes split evenly across the requests (the static baseline of Prop. 2)."""
+
+    budget: int
+    top_k: int = 8
+    name = "uniform"
+
+    def max_nodes(self, depth: int) -> int:
+        return min(self.budget, universe_size(depth, self.top_k))
+
+    def allocate(self, logprobs, prefixes):
+        share, extra = divmod(self.budget, max(len(logprobs), 1))
+        return [build_tree(lp, share + (i < extra), self.top_k) for i, lp in enumerate(logprobs)]
+
+
+@dataclass
+class SharedBudget(Policy):
+    """Global best-first over one shared budget: the `budget` highest-scoring candidates of all requests."""
+
+    budget: int
+    top_k: int = 8
+    name = "shared"
+
+    def max_nodes(self, depth: int) -> int:
+        return min(self.budget, universe_size(depth, self.top_k))
+
+    def allocate(self, logprobs, prefixes):
+        return build_forest(logprobs, self.budget, self.top_k)
+
+
+class CostAware(Policy):
+    """Global best-first with the budget chosen from measured costs: keep adding the best remaining candidate
+    of any request while its mass pays for the extra packed token at the running throughput (RoundWidth)."""
+
+    name = "cost"
+
+    def __init__(self, rule: RoundWidth, top_k: int = 8):
+        self.rule, self.top_k = rule, top_k
+
+    def max_nodes(self, depth: int) -> int:
+        return min(self.rule.max_width, universe_size(depth, self.top_k))
+
+    def allocate(self, logprobs, prefixes):
+        cap = self.max_nodes(logprobs[0].shape[0]) if logprobs else 0
+        trees = build_forest(logprobs, cap * len(logprobs), self.top_k, [cap] * len(logprobs))
+        counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes)
+        return [t.head(c) for t, c in zip(trees, counts)]
+
+    def update(self, committed: int, round_ms: float) -> None:
+        self.rule.update(committed, round_ms)
+
+
+def make_policy(name: str, width: int = 15, top_k: int = 8, rule: RoundWidth | None = None) -> Policy:
+    """`width` is the per-request width for `fixed` and the whole batch's budget for `uniform`/`shared`."""
+    if name == "chain":
+        return Chain()
+    if name == "fixed":
+        return FixedWidth(width, top_k)
+    if name == "uniform":
+        return UniformSplit(width, top_k)
+    if name == "shared":
+        return SharedBudget(width, top_k)
+    if name == "cost":
+        if rule is None:
+            raise ValueError("the cost-aware policy needs a measured cost profile")
+        return CostAware(rule, top_k)
+    raise ValueError(f"unknown allocation policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -1,0 +1,135 @@
+"""One decoding round for any number of sequences: the single round loop behind `decode`, the scheduler and
+the server.
+
+A round (1) drafts, in one batched drafter pass, for every sequence that has a pending root, (2) lets the
+allocation policy turn the drafted marginals into one tree per sequence, (3) runs ONE ragged target forward
+over every sequence's rows — prompt chunks of newcomers and the packs [root, tree] of running sequences, each
+against its own cache with its own mask — and (4) walks and commits every sequence. With one sequence this
+is exactly the paper's round; `ar` is the round with an empty tree and `chain` the top-1 tree.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .allocate import Policy
+from .models.decoder import Decoder
+from .models.dflash import DFlashDrafter
+from .sequence import Sequence, propose_batch
+from .tree import Tree
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class RoundOutput:
+    emitted: dict[int, list[int]] = field(default_factory=dict)  # id(sequence) -> tokens committed this round
+    accepted: dict[int, int] = field(default_factory=dict)  # id(sequence) -> accepted drafted tokens (verified only)
+    trees: dict[int, Tree] = field(default_factory=dict)
+    logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
+    paths: dict[int, list[int]] = field(default_factory=dict)
+    packed: int = 0  # rows in the target forward
+    prefill_tokens: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    host_ms: float = 0.0
+
+    @property
+    def total_ms(self) -> float:
+        return self.draft_ms + self.verify_ms + self.host_ms
+
+
+def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence], policy: Policy | None,
+              prefill_budget: int = 512, draft: bool = True) -> RoundOutput:
+    """Advance every sequence in `seqs` by one round. Sequences still reading their prompt get up to
+    `prefill_budget` prompt tokens in all (first come first served); the others verify a tree.
+    `draft=False` skips the drafter this round (every running sequence verifies its root alone)."""
+    out = RoundOutput()
+    device = target.device
+    clock = time.perf_counter
+    running = [s for s in seqs if s.decoding]
+    drafting = [s for s in running if draft and policy is not None and s.wants_draft()]
+    trees: dict[int, Tree] = {}
+    t = clock()
+    if drafting:
+        L = drafter.cfg.num_draft_positions
+        lps = propose_batch(target, drafter, [s.draft for s in drafting], [s.root for s in drafting],
+                            [min(L, s.remaining - 1) for s in drafting])
+        synchronize(device)
+        out.draft_ms = (clock() - t) * 1e3
+        th = clock()
+        for s, lp, tree in zip(drafting, lps, policy.allocate(lps, [s.prefix_len for s in drafting])):
+            trees[id(s)] = tree
+            out.logprobs[id(s)] = lp
+        out.host_ms += (clock() - th) * 1e3
+
+    th = clock()
+    ids, positions, segments, logit_rows = [], [], [], []
+    work = []  # (sequence, kind, rows in the forward, extra)
+    row = 0
+    budget = prefill_budget
+    for s in seqs:
+        if s.done:
+            continue
+        if s.root is None:  # still reading the prompt
+            if budget <= 0:
+                continue
+            chunk_ids, chunk_pos, seg = s.prefill_segment(budget)
+            budget -= seg.length
+            last = s.prefilled + seg.length == len(s.prompt)
+            if last:
+                logit_rows.append(row + seg.length - 1)
+            work.append((s, "prefill", row, seg.length, last))
+            out.prefill_tokens += seg.length
+        else:
+            tree = trees.get(id(s), Tree.empty())
+            pack, seg = s.verify_segment(tree)
+            chunk_ids, chunk_pos = pack.ids[0].tolist(), pack.positions[0].tolist()
+            logit_rows.extend(range(row, row + seg.length))
+            work.append((s, "verify", row, seg.length, tree))
+        ids.extend(chunk_ids)
+        positions.extend(chunk_pos)
+        segments.append(seg)
+        row += seg.length
+    if not segments:
+        return out
+    out.packed = row
+    taps = drafter.cfg.target_layer_ids if drafter is not None and any(s.draft for s, *_ in work) else ()
+    ids_t = torch.tensor([ids], dtype=torch.long, device=device)
+    pos_t = torch.tensor([positions], dtype=torch.long, device=device)
+    rows_t = torch.tensor(logit_rows, dtype=torch.long, device=device)
+    out.host_ms += (clock() - th) * 1e3
+
+    tv = clock()
+    logits, feats = target.forward_segments(ids_t, pos_t, segments, rows_t, tuple(taps))
+    logits = logits[0]
+    greedy = logits.argmax(dim=-1).tolist()  # the one device->host sync of the verify step
+    out.verify_ms = (clock() - tv) * 1e3
+
+    th = clock()
+    lrow = 0  # index into the logits rows
+    for s, kind, start, n, extra in work:
+        f = feats[:, start:start + n] if feats is not None and s.draft is not None else None
+        if kind == "prefill":
+            last = extra
+            out.emitted[id(s)] = s.finish_prefill_chunk(n, logits[lrow] if last else None,
+                                                        greedy[lrow] if last else None, f)
+            lrow += int(last)
+        else:
+            tree = extra
+            emitted, path = s.commit(tree, logits[lrow:lrow + n], greedy[lrow:lrow + n], f, out.logprobs.get(id(s)))
+            out.emitted[id(s)] = emitted
+            out.accepted[id(s)] = len(path)
+            out.trees[id(s)] = tree
+            out.paths[id(s)] = path
+            lrow += n
+    synchronize(device)
+    out.host_ms += (clock() - th) * 1e3
+    if policy is not None and drafting:
+        policy.update(sum(out.accepted.values()) + len(out.accepted), out.total_ms)
+    return out

@@ -1,0 +1,182 @@
+"""One request's decoding state (target cache, drafter state, pending root) and the batched drafter pass.
+
+Round contract (paper, Appendix C): the target cache holds the prefix x (length P); the pending root b is known
+but not cached. A round drafts from the features of x and b, packs [b, tree], runs one target forward, walks
+the tree, commits b + the accepted path to both caches and makes the target's next token the new root.
+A Sequence only says which rows it contributes to a forward (a `Segment`) and what to do with their outputs;
+`castspec.batch.run_round` puts the rows of every active Sequence into one forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cache import Segment
+from .config import DecodeConfig
+from .models.decoder import Decoder
+from .models.dflash import DFlashDrafter, DraftSegment
+from .pack import Pack, pack_tree
+from .sampling import LogitProcessor, Sampler
+from .tree import Tree
+from .verify import greedy_walk, sampled_walk
+
+
+class ContextLengthError(ValueError):
+    """Prompt plus requested output would not fit the model's context."""
+
+
+class DraftState:
+    """The drafter's side of one sequence: its context-only KV cache and the features not yet in it."""
+
+    def __init__(self, drafter: DFlashDrafter, capacity: int):
+        self.drafter = drafter
+        self.cache = drafter.new_cache(capacity)
+        self.pending: torch.Tensor | None = None  # [1, C, taps*H] features of positions [cache.length, +C)
+
+    def add_context(self, features: torch.Tensor) -> None:
+        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+
+    def propose(self, target: Decoder, root: int, depth: int) -> torch.Tensor:
+        """Log-probabilities [depth, V] of the next `depth` tokens after `root` (at position = context end)."""
+        return propose_batch(target, self.drafter, [self], [root], [depth])[0]
+
+
+def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftState], roots: list[int],
+                  depths: list[int]) -> list[torch.Tensor]:
+    """One drafter pass for several sequences: their new context rows and their blocks [root, MASK x L] are
+    concatenated (ragged, no padding), each block attending to its own cache only. Returns per-sequence
+    log-probabilities [depth_i, V]."""
+    device = target.device
+    L = drafter.cfg.num_draft_positions
+    max_pos = drafter.cfg.max_positions - 1
+    feats, ctx_pos, block_pos, segments = [], [], [], []
+    for st in states:
+        start, ctx_len = st.cache.length, st.pending.shape[1]
+        root_pos = start + ctx_len
+        feats.append(st.pending)
+        ctx_pos.append(torch.arange(start, root_pos))
+        # near the end of the context the block's trailing rows (never used: depth is capped) would sit past the
+        # last position; pin them to it rather than shrink the block, which would change the rows we do use
+        block_pos.append(torch.arange(root_pos, root_pos + L + 1).clamp(max=max_pos))
+        segments.append(DraftSegment(st.cache, start, ctx_len, L + 1))
+        st.pending = None
+    block = torch.full((len(states), L + 1), drafter.cfg.mask_token_id, dtype=torch.long)
+    block[:, 0] = torch.tensor(roots)
+    hidden = drafter.forward_segments(
+        target.embed(block.view(1, -1).to(device)), torch.cat(block_pos).view(1, -1).to(device),
+        feats[0] if len(feats) == 1 else torch.cat(feats, dim=1), torch.cat(ctx_pos).view(1, -1).to(device), segments)
+    hidden = hidden.view(len(states), L + 1, -1)
+    rows = torch.cat([hidden[i, 1:d + 1] for i, d in enumerate(depths)])  # one lm_head GEMM for all
+    logprobs = torch.log_softmax(F.linear(rows, target.head_weight).float(), dim=-1)
+    return list(logprobs.split(depths))
+
+
+class Sequence:
+    """One request: its caches, prompt progress, pending root, output and stop handling."""
+
+    def __init__(self, target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cfg: DecodeConfig,
+                 max_nodes: int = 0):
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        ctx = target.cfg.max_positions
+        if len(prompt) + cfg.max_new_tokens > ctx:
+            raise ContextLengthError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) "
+                                     f"exceeds the model's context of {ctx} tokens")
+        self.target, self.cfg = target, cfg
+        self.drafter = drafter if cfg.method != "ar" else None
+        L = self.drafter.cfg.num_draft_positions if self.drafter else 0
+        self.capacity = len(prompt) + cfg.max_new_tokens + 1
+        # a verify pack writes root + up to max_nodes tree nodes past the prefix before compaction
+        self.cache = target.new_cache(self.capacity + max_nodes + 1)
+        self.taps = tuple(self.drafter.cfg.target_layer_ids) if self.drafter else ()
+        self.draft = DraftState(self.drafter, self.capacity + L + 1) if self.drafter else None
+        self.prompt = prompt
+        self.prefilled = 0  # prompt tokens already in the cache
+        self.root: int | None = None
+        self.sampler = None  # None = greedy
+        if cfg.temperature > 0:
+            self.sampler = Sampler(LogitProcessor(cfg.temperature, cfg.top_k, cfg.top_p), cfg.seed)
+        self.direct_walk = cfg.verifier == "direct"
+        self.stop = set(cfg.stop_token_ids)
+        self.emitted = 0
+        self.done = cfg.max_new_tokens == 0
+
+    @property
+    def prefix_len(self) -> int:
+        return self.cache.length
+
+    @property
+    def decoding(self) -> bool:
+        return self.root is not None and not self.done
+
+    @property
+    def remaining(self) -> int:
+        return self.cfg.max_new_tokens - self.emitted
+
+    def wants_draft(self) -> bool:
+        """A draft is useful when at least two more tokens may be emitted (the root's successor is free)."""
+        return self.draft is not None and self.decoding and self.remaining > 1
+
+    # -- prefill -----------------------------------------------------------------------------------------
+    def prefill_segment(self, budget: int) -> tuple[list[int], list[int], Segment]:
+        """The next chunk of at most `budget` prompt tokens: (ids, positions, segment)."""
+        a = self.prefilled
+        b = min(len(self.prompt), a + budget)
+        n = b - a
+        mask = None
+        if a > 0:  # a later chunk sees the cached prompt and itself causally
+            vis = torch.ones(n, a + n, dtype=torch.bool)
+            vis[:, a:] = torch.tril(vis[:, a:])
+            mask = vis.view(1, 1, n, a + n).to(self.target.device)
+        return self.prompt[a:b], list(range(a, b)), Segment(self.cache, a, n, mask, causal=a == 0)
+
+    def finish_prefill_chunk(self, n: int, last_logits: torch.Tensor | None, greedy: int | None,
+                             feats: torch.Tensor | None) -> list[int]:
+        """Account a prefilled chunk; after the last one the target's next token becomes the root and the
+        first output token. Returns the emitted tokens (empty until the prompt is complete)."""
+        self.prefilled += n
+        self.cache.length = self.prefilled
+        if self.draft is not None:
+            self.draft.add_context(feats)
+        if self.prefilled < len(self.prompt):
+            return []
+        self.root = self.sampler.token(last_logits) if self.sampler else greedy
+        return self._emit([self.root])
+
+    # -- verify ------------------------------------------------------------------------------------------
+    def verify_segment(self, tree: Tree) -> tuple[Pack, Segment]:
+        P = self.prefix_len
+        pack = pack_tree(tree, self.root, P, self.target.device)
+        return pack, Segment(self.cache, P, len(tree) + 1, pack.mask)
+
+    def commit(self, tree: Tree, logits: torch.Tensor, greedy: list[int] | None, feats: torch.Tensor | None,
+               draft_logprobs: torch.Tensor | None) -> tuple[list[int], list[int]]:
+        """Walk the verified tree, keep root + accepted path in the caches, set the next root.
+
+        logits [N+1, V] are this pack's rows (greedy: their argmaxes). Returns (emitted tokens after stop
+        handling, accepted pack rows)."""
+        if self.sampler is None:
+            path, nxt = greedy_walk(tree, greedy)
+        else:
+            path, nxt = sampled_walk(tree, logits.cpu(), draft_logprobs, self.sampler, self.direct_walk)
+        P = self.prefix_len
+        keep = [0, *path]
+        if keep[-1] != len(keep) - 1:  # accepted rows are not already contiguous after the root: gather
+            self.cache.compact(torch.tensor(keep, device=self.target.device) + P, P)
+        self.cache.length = P + len(keep)
+        if self.draft is not None:
+            self.draft.add_context(feats[:, keep] if len(keep) < feats.shape[1] else feats)
+        self.root = nxt
+        return self._emit([tree.tokens[r - 1] for r in path] + [nxt]), path
+
+    def _emit(self, new: list[int]) -> list[int]:
+        """Cut at the first stop token (kept) and at max_new_tokens; mark the sequence done accordingly."""
+        for i, tok in enumerate(new):
+            if tok in self.stop:
+                new, self.done = new[:i + 1], True
+                break
+        if len(new) >= self.remaining:
+            new, self.done = new[:self.remaining], True
+        self.emitted += len(new)
+        return new
+
