@@ -33,6 +33,7 @@ class RoundOutput:
     trees: dict[int, Tree] = field(default_factory=dict)
     logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
     paths: dict[int, list[int]] = field(default_factory=dict)
+    errors: dict[int, Exception] = field(default_factory=dict)  # id(sequence) -> its own failure after the forward
     packed: int = 0  # rows in the target forward
     prefill_tokens: int = 0
     draft_ms: float = 0.0
@@ -115,19 +116,24 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     lrow = 0  # index into the logits rows
     for s, kind, start, n, extra in work:
         f = feats[:, start:start + n] if feats is not None and s.draft is not None else None
-        if kind == "prefill":
-            last = extra
-            out.emitted[id(s)] = s.finish_prefill_chunk(n, logits[lrow] if last else None,
-                                                        greedy[lrow] if last else None, f)
-            lrow += int(last)
-        else:
-            tree = extra
-            emitted, path = s.commit(tree, logits[lrow:lrow + n], greedy[lrow:lrow + n], f, out.logprobs.get(id(s)))
-            out.emitted[id(s)] = emitted
-            out.accepted[id(s)] = len(path)
-            out.trees[id(s)] = tree
-            out.paths[id(s)] = path
-            lrow += n
+        rows = 1 if kind == "prefill" and extra else (n if kind == "verify" else 0)
+        try:  # one sequence's failure after the shared forward must not lose the others' committed tokens
+            if kind == "prefill":
+                last = extra
+                out.emitted[id(s)] = s.finish_prefill_chunk(n, logits[lrow] if last else None,
+                                                            greedy[lrow] if last else None, f)
+            else:
+                tree = extra
+                emitted, path = s.commit(tree, logits[lrow:lrow + n], greedy[lrow:lrow + n], f,
+                                         out.logprobs.get(id(s)))
+                out.emitted[id(s)] = emitted
+                out.accepted[id(s)] = len(path)
+                out.trees[id(s)] = tree
+                out.paths[id(s)] = path
+        except Exception as e:  # noqa: BLE001 - reported per sequence
+            s.done = True
+            out.errors[id(s)] = e
+        lrow += rows
     synchronize(device)
     out.host_ms += (clock() - th) * 1e3
     if policy is not None and drafting:

@@ -98,6 +98,7 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
     t0 = clock()
     with torch.inference_mode():
         first = run_round(target, drafter, [seq], policy, prefill_budget=len(prompt))
+        raise_errors(first)
         synchronize(target.device)
         stats.prefill_ms = (clock() - t0) * 1e3
         stats.new_tokens = seq.emitted
@@ -105,6 +106,7 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
         t_decode = clock()
         while not seq.done:
             out = run_round(target, drafter, [seq], policy)
+            raise_errors(out)
             if not stats.rounds:
                 # the decode-only timer opens after prefill and the first draft (Appendix D)
                 stats.first_draft_ms = out.draft_ms
@@ -115,3 +117,8 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
                 on_round(out.logprobs[key], out.trees[key], out.paths[key], out.emitted[key])
             stats.new_tokens = seq.emitted
             yield out.emitted[key]
+
+
+def raise_errors(out) -> None:
+    for err in out.errors.values():
+        raise err

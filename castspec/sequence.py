@@ -100,6 +100,7 @@ class Sequence:
         self.stop = set(cfg.stop_token_ids)
         self.emitted = 0
         self.done = cfg.max_new_tokens == 0
+        self.finish_reason: str | None = "length" if self.done else None  # "stop" | "length" once done
 
     @property
     def prefix_len(self) -> int:
@@ -173,9 +174,11 @@ class Sequence:
         """Cut at the first stop token (kept) and at max_new_tokens; mark the sequence done accordingly."""
         for i, tok in enumerate(new):
             if tok in self.stop:
-                new, self.done = new[:i + 1], True
+                new, self.done, self.finish_reason = new[:i + 1], True, "stop"
                 break
         if len(new) >= self.remaining:
+            if len(new) > self.remaining or not self.done:
+                self.finish_reason = "length"
             new, self.done = new[:self.remaining], True
         self.emitted += len(new)
         return new

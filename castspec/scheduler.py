@@ -1,0 +1,292 @@
+"""Continuous batching: admit requests between rounds, run one batched round for all active ones, retire.
+
+Policy (documented in docs/serving.md):
+- at most `max_batch` requests decode together; up to `max_queue` more wait (FIFO); beyond that, submit()
+  raises QueueFull (the server answers 429);
+- newcomers are admitted at round boundaries and their prompts are prefilled INSIDE the next rounds' forward,
+  in chunks of at most `prefill_budget` prompt tokens per round in all, so running requests keep committing
+  tokens every round while a long prompt is read (chunked prefill, no stall);
+- finished, cancelled and failed requests leave at the next round boundary and free their caches;
+- if a round raises, the batch is rolled back and every request is retried alone, so only the request that
+  fails on its own gets the error.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .allocate import Policy, make_policy
+from .batch import run_round
+from .config import DecodeConfig
+from .sequence import ContextLengthError, Sequence
+
+log = logging.getLogger("castspec.scheduler")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at capacity."""
+
+
+class ShuttingDown(RuntimeError):
+    """The scheduler no longer accepts requests."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch: int = 8
+    max_queue: int = 64
+    prefill_budget: int = 512  # prompt tokens prefilled per round, over all newcomers
+    policy: str = "cost"  # chain | fixed | uniform | shared | cost (see castspec.allocate)
+    width: int = 15  # fixed: per request; uniform/shared: the whole batch's budget
+    top_k: int = 8
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_budget < 1 or self.width < 0 or self.top_k < 1:
+            raise ValueError("max_batch, prefill_budget and top_k must be >= 1; max_queue and width >= 0")
+
+
+@dataclass
+class Request:
+    """One submitted request. `on_tokens(tokens)` gets every committed chunk, `on_done(reason, error)` once
+    (reason: "stop" | "length" | "cancelled" | "error"). Both run on the scheduler thread: keep them short."""
+
+    prompt: list[int]
+    cfg: DecodeConfig
+    on_tokens: Callable[[list[int]], None]
+    on_done: Callable[[str, str | None], None]
+    id: int = 0
+    seq: Sequence | None = None
+    cancelled: bool = False
+    stop_reason: str | None = None  # set by finish(): why the client ended it early
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    tokens: int = 0
+    rounds: int = 0
+    finish_reason: str | None = None
+
+    def cancel(self) -> None:
+        """Safe from any thread: the request leaves at the next round boundary."""
+        self.cancelled = True
+
+    def finish(self, reason: str = "stop") -> None:
+        """End early for a reason of the client's (e.g. a stop string matched): counted as `reason`."""
+        self.stop_reason = reason
+        self.cancelled = True
+
+
+@dataclass
+class Metrics:
+    """Counters for /metrics. Written by the scheduler thread only; readers take a snapshot()."""
+
+    requests: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0, "error": 0})
+    rejected: int = 0
+    tokens: int = 0
+    goodput_tokens: int = 0  # tokens of requests that finished normally (stop/length)
+    rounds: int = 0
+    verified: int = 0  # request-rounds that verified a pack (each commits accepted + 1)
+    committed: int = 0  # tokens committed by those request-rounds
+    acceptance: dict[int, int] = field(default_factory=dict)  # accepted drafted tokens per request-round
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    busy_ms: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    def snapshot(self) -> dict:
+        up = max(time.time() - self.started, 1e-9)
+        return {
+            "requests": dict(self.requests), "rejected": self.rejected, "tokens": self.tokens,
+            "goodput_tokens": self.goodput_tokens, "goodput_tokens_per_s": self.goodput_tokens / up,
+            "rounds": self.rounds, "mean_committed_per_round": self.committed / max(self.verified, 1),
+            "acceptance_histogram": dict(sorted(self.acceptance.items())),
+            "batch_size_histogram": dict(sorted(self.batch_sizes.items())),
+            "prefill_tokens": self.prefill_tokens, "busy_s": self.busy_ms / 1e3, "uptime_s": up,
+        }
+
+
+class Scheduler:
+    def __init__(self, target, drafter, cfg: SchedulerConfig | None = None, method: str = "cast",
+                 policy: Policy | None = None, rule=None):
+        self.target, self.cfg = target, cfg or SchedulerConfig()
+        self.method = method
+        self.drafter = drafter if method != "ar" else None
+        if method != "ar" and drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        if policy is None and self.drafter is not None:
+            name = "chain" if method == "chain" else self.cfg.policy
+            policy = make_policy(name, self.cfg.width, self.cfg.top_k, rule)
+        self.policy = policy
+        L = self.drafter.cfg.num_draft_positions if self.drafter is not None else 0
+        self.max_nodes = policy.max_nodes(L) if policy is not None else 0
+        self.metrics = Metrics()
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._lock = threading.Condition()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- submission (any thread) -------------------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        ctx = self.target.cfg.max_positions
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        if len(request.prompt) + request.cfg.max_new_tokens > ctx:
+            raise ContextLengthError(f"prompt ({len(request.prompt)} tokens) + max_tokens "
+                                     f"({request.cfg.max_new_tokens}) exceeds the model's context of {ctx} tokens")
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.cfg.max_queue:
+                self.metrics.rejected += 1
+                raise QueueFull(f"the queue is full ({self.cfg.max_queue} waiting)")
+            request.id = next(self._ids)
+            self._waiting.append(request)
+            self._lock.notify()
+        return request
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Retire, admit, run one round. Returns False when there was nothing to do."""
+        self._retire()
+        self._admit()
+        if not self._active:
+            return False
+        batch = [r for r in self._active if not r.cancelled]
+        t = time.perf_counter()
+        try:
+            self._round(batch)
+        except Exception:  # roll back and isolate: each request alone, so only a failing one fails
+            log.exception("castspec: batched round failed; retrying requests one by one")
+            for r in batch:
+                try:
+                    self._round([r])
+                except Exception as e:  # noqa: BLE001 - reported to that request's client
+                    self._finish(r, "error", f"{type(e).__name__}: {e}")
+        self.metrics.busy_ms += (time.perf_counter() - t) * 1e3
+        return True
+
+    def _round(self, batch: list[Request]) -> None:
+        seqs = [r.seq for r in batch]
+        snapshot = [(s.draft.cache.length, s.draft.pending) if s.draft is not None else None for s in seqs]
+        try:
+            with torch.inference_mode():
+                out = run_round(self.target, self.drafter, seqs, self.policy, self.cfg.prefill_budget)
+        except Exception:
+            for s, snap in zip(seqs, snapshot):  # nothing was committed: restore the drafter's view
+                if snap is not None:
+                    s.draft.cache.length, s.draft.pending = snap
+            raise
+        m = self.metrics
+        m.rounds += 1
+        decoding = sum(1 for s in seqs if id(s) in out.accepted)
+        if decoding:
+            m.batch_sizes[decoding] = m.batch_sizes.get(decoding, 0) + 1
+        m.prefill_tokens += out.prefill_tokens
+        now = time.perf_counter()
+        for r in batch:
+            key = id(r.seq)
+            if key in out.accepted:
+                a = out.accepted[key]
+                m.verified += 1
+                m.committed += a + 1
+                m.acceptance[a] = m.acceptance.get(a, 0) + 1
+                r.rounds += 1
+            new = out.emitted.get(key, [])
+            if new:
+                r.first_token = r.first_token or now
+                r.tokens += len(new)
+                m.tokens += len(new)
+                self._deliver(r, new)
+            if key in out.errors:
+                err = out.errors[key]
+                self._finish(r, "error", f"{type(err).__name__}: {err}")
+            elif r.seq.done and not r.cancelled:
+                self._finish(r, r.seq.finish_reason or "stop")
+
+    def _deliver(self, r: Request, tokens: list[int]) -> None:
+        try:
+            r.on_tokens(tokens)
+        except Exception:  # noqa: BLE001 - a broken consumer cancels only its own request
+            log.exception("castspec: token callback failed; cancelling request %d", r.id)
+            r.cancel()
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        if r.seq is not None:
+            r.seq.done = True
+        r.cancelled = r.cancelled or reason in ("cancelled", "error")
+        r.finish_reason = reason
+        self.metrics.requests[reason] = self.metrics.requests.get(reason, 0) + 1
+        if reason in ("stop", "length"):
+            self.metrics.goodput_tokens += r.tokens
+        try:
+            r.on_done(reason, error)
+        except Exception:  # noqa: BLE001
+            log.exception("castspec: done callback failed for request %d", r.id)
+        r.on_done = lambda *_: None  # exactly once
+
+    def _retire(self) -> None:
+        keep = []
+        for r in self._active:
+            if r.cancelled and not r.seq.done:
+                self._finish(r, r.stop_reason or "cancelled")
+            if not r.seq.done:
+                keep.append(r)
+        self._active = keep
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._waiting and len(self._active) < self.cfg.max_batch:
+                r = self._waiting.popleft()
+                if r.cancelled:
+                    self._finish(r, "cancelled")
+                    continue
+                try:
+                    r.seq = Sequence(self.target, self.drafter, r.prompt, r.cfg, self.max_nodes)
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory for its caches
+                    self._finish(r, "error", f"{type(e).__name__}: {e}")
+                    continue
+                self._active.append(r)
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set; sleeps while idle."""
+        while not stop.is_set():
+            if not self.step():
+                with self._lock:
+                    if not self._waiting:
+                        self._lock.wait(timeout=0.05)
+
+    def start(self) -> threading.Event:
+        stop = threading.Event()
+        self._thread = threading.Thread(target=self.run, args=(stop,), name="castspec-scheduler", daemon=True)
+        self._thread.start()
+        return stop
+
+    def close(self, stop: threading.Event) -> None:
+        """Stop accepting, cancel what is queued or running, stop the thread."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._waiting)
+            self._waiting.clear()
+            self._lock.notify()
+        stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for r in pending + self._active:
+            if r.seq is None or not r.seq.done:
+                self._finish(r, "cancelled")
+        self._active = []

@@ -1,0 +1,212 @@
+"""Batched rounds and continuous batching: exactness whatever else is in the batch, allocation optimality,
+ragged verify = per-request dense verify, admission/retirement, failure isolation."""
+import itertools
+
+import pytest
+import torch
+
+from castspec.allocate import CostAware, SharedBudget, UniformSplit, make_policy
+from castspec.batch import run_round
+from castspec.config import DecodeConfig
+from castspec.cost import CostProfile, RoundWidth
+from castspec.decode import decode
+from castspec.pack import pack_tree
+from castspec.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
+from castspec.sequence import Sequence
+from castspec.tree import build_forest, build_tree
+from conftest import llama_config, make_hf, native, qwen3_config, random_drafter
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def models(request):
+    cfg = llama_config(vocab=24) if request.param == "llama" else qwen3_config(vocab=24)
+    target = native(make_hf(cfg, seed=1))
+    return target, random_drafter(target, block_size=8, seed=2)
+
+
+def ar(target, prompt, n):
+    cfg = DecodeConfig(method="ar", max_new_tokens=n)
+    return [t for chunk in decode(target, None, prompt, cfg) for t in chunk]
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 23, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def flat_profile(slope=0.0):
+    packed = [1, 2, 4, 8, 16, 32, 64, 128]
+    return CostProfile({}, packed, [0, 1024], [[10 + slope * n for n in packed]] * 2, [1.0, 1.0])
+
+
+def serve_all(scheduler, reqs, arrivals):
+    """Submit request i before round arrivals[i]; run until everything finished. Returns outputs, reasons."""
+    outs = {i: [] for i in range(len(reqs))}
+    reasons = {}
+    pending = sorted(range(len(reqs)), key=lambda i: arrivals[i])
+    step = 0
+    while pending or scheduler.active or scheduler.queue_length:
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            prompt, cfg = reqs[i]
+            scheduler.submit(Request(prompt, cfg, outs[i].extend, lambda r, e, i=i: reasons.setdefault(i, (r, e))))
+        scheduler.step()
+        step += 1
+        assert step < 2000
+    return outs, reasons
+
+
+@pytest.mark.parametrize("policy", ["chain", "fixed", "uniform", "shared", "cost", "ar"])
+def test_batched_greedy_equals_single_request_ar(models, policy):
+    target, drafter = models
+    ps = prompts(7, seed=3)
+    lengths = [40, 17, 33, 1, 25, 40, 9]
+    truth = [ar(target, p, n) for p, n in zip(ps, lengths)]
+    method = "ar" if policy == "ar" else ("chain" if policy == "chain" else "cast")
+    rule = RoundWidth(flat_profile(0.05), max_width=31) if policy == "cost" else None
+    cfg = SchedulerConfig(max_batch=4, max_queue=16, prefill_budget=11, policy=policy if policy != "ar" else "fixed",
+                          width=24)
+    sched = Scheduler(target, drafter, cfg, method=method, rule=rule)
+    reqs = [(p, DecodeConfig(method=method, max_new_tokens=n)) for p, n in zip(ps, lengths)]
+    outs, reasons = serve_all(sched, reqs, arrivals=[0, 0, 1, 3, 3, 8, 20])
+    for i, t in enumerate(truth):
+        assert outs[i] == t, (policy, i)
+        assert reasons[i] == ("length", None)
+    m = sched.metrics.snapshot()
+    assert m["requests"]["length"] == 7 and m["tokens"] == sum(lengths)
+    assert max(m["batch_size_histogram"]) <= 4
+
+
+def test_stop_tokens_and_sampling_in_a_batch(models):
+    target, drafter = models
+    ps = prompts(4, seed=9)
+    truth = ar(target, ps[0], 30)
+    stop = truth[5]
+    sched = Scheduler(target, drafter, SchedulerConfig(max_batch=4, policy="fixed", width=6))
+    cfgs = [DecodeConfig(method="cast", max_new_tokens=30, stop_token_ids=(stop,)),
+            DecodeConfig(method="cast", max_new_tokens=12, temperature=1.0, seed=4),
+            DecodeConfig(method="cast", max_new_tokens=12, temperature=1.0, seed=4),
+            DecodeConfig(method="cast", max_new_tokens=0)]
+    outs, reasons = serve_all(sched, list(zip([ps[0], ps[1], ps[1], ps[2]], cfgs)), [0, 0, 2, 0])
+    assert outs[0] == truth[:truth.index(stop) + 1] and reasons[0][0] == "stop"
+    # a fixed width gives each request the same tree whatever the batch: the same seed, the same sample
+    assert outs[1] == outs[2] and len(outs[1]) == 12
+    assert outs[3] == [] and reasons[3][0] == "length"
+
+
+def test_ragged_verify_logits_equal_per_request_dense_verify(models):
+    target, drafter = models
+    ps = prompts(3, seed=5)
+    seqs = [Sequence(target, drafter, p, DecodeConfig(max_new_tokens=8), 16) for p in ps]
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        run_round(target, drafter, seqs, None, prefill_budget=1000)
+        trees = [build_tree(torch.log_softmax(torch.randn(7, 24, generator=g) * 3, -1), w, 3) for w in (5, 0, 16)]
+        ids, pos, segs, dense = [], [], [], []
+        for s, tree in zip(seqs, trees):
+            pack, seg = s.verify_segment(tree)
+            ids += pack.ids[0].tolist()
+            pos += pack.positions[0].tolist()
+            segs.append(seg)
+            ref_cache = target.new_cache(s.cache.capacity)
+            ref_cache.k.copy_(s.cache.k)
+            ref_cache.v.copy_(s.cache.v)
+            dense.append(target(pack.ids, pack.positions, ref_cache, s.prefix_len, mask=pack.mask)[0][0])
+        ragged, _ = target.forward_segments(torch.tensor([ids]), torch.tensor([pos]), segs)
+    torch.testing.assert_close(ragged[0], torch.cat(dense), rtol=1e-4, atol=1e-4)
+
+
+def brute_force_best(logprobs, budget, top_k):
+    """Max total mass over all prefix-closed allocations of `budget` nodes (enumerate per-request widths)."""
+    best = -1.0
+    for widths in itertools.product(range(budget + 1), repeat=len(logprobs)):
+        if sum(widths) != budget:
+            continue
+        mass = sum(sum(torch.tensor(build_tree(lp, w, top_k).scores).exp().tolist()) for lp, w in zip(logprobs, widths))
+        best = max(best, mass)
+    return best
+
+
+def test_shared_budget_allocation_is_the_brute_force_optimum():
+    g = torch.Generator().manual_seed(1)
+    for trial in range(6):
+        lps = [torch.log_softmax(torch.randn(3, 6, generator=g) * (1 + trial), -1) for _ in range(3)]
+        for budget in (1, 4, 7):
+            trees = SharedBudget(budget, top_k=2).allocate(lps, [0, 0, 0])
+            got = sum(sum(torch.tensor(t.scores).exp().tolist()) for t in trees)
+            assert sum(len(t) for t in trees) == budget
+            assert got == pytest.approx(brute_force_best(lps, budget, 2), rel=1e-6)
+            uniform = UniformSplit(budget, top_k=2).allocate(lps, [0, 0, 0])
+            assert got >= sum(sum(torch.tensor(t.scores).exp().tolist()) for t in uniform) - 1e-9
+
+
+def test_cost_rule_budget_follows_the_batched_cost():
+    g = torch.Generator().manual_seed(2)
+    lps = [torch.log_softmax(torch.randn(7, 24, generator=g) * 3, -1) for _ in range(4)]
+    flat = CostAware(RoundWidth(flat_profile(0.0), 63, init_throughput=0.1))
+    steep = CostAware(RoundWidth(flat_profile(10.0), 63, init_throughput=0.1))
+    wide = flat.allocate(lps, [10] * 4)
+    narrow = steep.allocate(lps, [10] * 4)
+    assert sum(map(len, wide)) == 4 * 63  # flat cost: every request gets its cap
+    assert sum(map(len, narrow)) == 0  # one packed token costs more than any node is worth
+    # trees are heads of the global best-first forest (prefix-closed, best candidates first)
+    mid = CostAware(RoundWidth(flat_profile(0.05), 63, init_throughput=0.1)).allocate(lps, [10] * 4)
+    forest = build_forest(lps, 63 * 4, 8, [63] * 4)
+    for t, f in zip(mid, forest):
+        assert t.tokens == f.tokens[:len(t)]
+    chosen = [s for t in mid for s in t.scores]
+    rest = [s for t, f in zip(mid, forest) for s in f.scores[len(t):]]
+    if chosen and rest:
+        assert min(chosen) >= max(rest) - 1e-9
+
+
+def test_queue_limit_and_cancellation(models):
+    target, drafter = models
+    sched = Scheduler(target, drafter, SchedulerConfig(max_batch=1, max_queue=2, policy="fixed", width=4))
+    done = {}
+    reqs = [Request([1, 2, 3], DecodeConfig(max_new_tokens=50), lambda t: None,
+                    lambda r, e, i=i: done.setdefault(i, r)) for i in range(3)]
+    sched.submit(reqs[0])
+    sched.submit(reqs[1])
+    with pytest.raises(QueueFull):
+        sched.submit(reqs[2])
+    sched.step()  # admits request 0 only (max_batch 1)
+    assert sched.active == 1 and sched.queue_length == 1
+    reqs[0].cancel()
+    reqs[1].cancel()
+    sched.step()
+    sched.step()
+    assert done == {0: "cancelled", 1: "cancelled"}
+    assert sched.active == 0 and sched.queue_length == 0
+    assert sched.metrics.snapshot()["rejected"] == 1
+
+
+def test_a_failing_request_does_not_take_down_the_batch(models, monkeypatch):
+    target, drafter = models
+    ps = prompts(3, seed=11)
+    truth = [ar(target, p, 20) for p in ps]
+    sched = Scheduler(target, drafter, SchedulerConfig(max_batch=3, policy="shared", width=12))
+    outs = {i: [] for i in range(3)}
+    reasons = {}
+    for i, p in enumerate(ps):
+        sched.submit(Request(p, DecodeConfig(max_new_tokens=20), outs[i].extend,
+                             lambda r, e, i=i: reasons.setdefault(i, (r, e))))
+    sched.step()
+    sched.step()
+    bad = sched._active[1].seq
+    original = Sequence.verify_segment
+
+    def broken(self, tree):
+        if self is bad:
+            raise RuntimeError("injected failure")
+        return original(self, tree)
+
+    monkeypatch.setattr(Sequence, "verify_segment", broken)
+    for _ in range(200):
+        if not sched.step():
+            break
+    assert reasons[1][0] == "error" and "injected failure" in reasons[1][1]
+    assert outs[0] == truth[0] and outs[2] == truth[2]
+    assert reasons[0] == ("length", None) and reasons[2] == ("length", None)
+    assert make_policy("chain").name == "chain"
