@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from . import analysis_cli, demo, probe_cli
+    from . import analysis_cli, demo, probe_cli, serve_cli
     from .bench import cli as bench_cli
     from .train import cli as train_cli
 
@@ -12,3 +12,4 @@ def register(sub) -> None:
     probe_cli.register(sub)
     analysis_cli.register(sub)
     train_cli.register(sub)
+    serve_cli.register(sub)

@@ -99,6 +99,16 @@ class Engine:
         L = self.drafter.cfg.num_draft_positions
         return RoundWidth(profile, min(profile.max_width, universe_size(L, cfg.top_k_per_position)))
 
+    def scheduler(self, cfg=None, method: str = "cast"):
+        """A continuous-batching scheduler over this engine's models (the cost policy uses the cost profile)."""
+        from .scheduler import Scheduler, SchedulerConfig
+
+        cfg = cfg or SchedulerConfig()
+        rule = None
+        if method == "cast" and cfg.policy == "cost" and self.drafter is not None:
+            rule = self.width_rule(DecodeConfig(method="cast", width="auto", top_k_per_position=cfg.top_k))
+        return Scheduler(self.target, self.drafter, cfg, method=method, rule=rule)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.target.dtype

@@ -73,3 +73,18 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_qwen3():
     return make_hf(qwen3_config())
+
+
+def tiny_tokenizer(vocab: int = 24):
+    """A real (word-level) fast tokenizer over `vocab` tokens with a chat template, for HTTP/API tests."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>", "<user>", "<assistant>"] + [f"w{i}" for i in range(vocab - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="w0")
+    fast.chat_template = ("{% for m in messages %}{{ '<user> ' if m['role'] == 'user' else '<assistant> ' }}"
+                          "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    return fast

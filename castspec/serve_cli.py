@@ -1,0 +1,65 @@
+"""`castspec serve`: the OpenAI-compatible server on uvicorn."""
+from __future__ import annotations
+
+
+def scheduler_config(args):
+    from .cli import UserError
+    from .scheduler import SchedulerConfig
+
+    try:
+        return SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
+                               policy=args.policy, width=args.width, top_k=args.top_k_per_position)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .allocate import POLICIES
+    from .cli import UserError, load_engine
+    from .config import METHODS
+    from .server import ServerConfig, create_app
+
+    if args.method not in METHODS:
+        raise UserError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
+    if args.policy not in POLICIES:
+        raise UserError(f"unknown policy {args.policy!r}; choose one of {', '.join(POLICIES)}")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    cfg = scheduler_config(args)
+    engine = load_engine(args)
+    if args.method != "ar" and engine.drafter is None:
+        raise UserError(f"method {args.method!r} needs a drafter: pass --drafter (or --method ar)")
+    scheduler = engine.scheduler(cfg, args.method)
+    app = create_app(engine, scheduler, ServerConfig(model_name=args.model_name,
+                                                     default_max_tokens=args.default_max_tokens))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    return 0
+
+
+def add_scheduler_args(p) -> None:
+    p.add_argument("--method", default="cast", help="ar, chain or cast (default cast)")
+    p.add_argument("--policy", default="cost",
+                   help="tree allocation under load: cost (measured-cost shared budget, default), shared "
+                        "(best-first, fixed budget --width), uniform (--width split evenly), fixed (--width each)")
+    p.add_argument("--width", type=int, default=15, help="fixed: nodes per request; shared/uniform: per round")
+    p.add_argument("--top-k-per-position", type=int, default=8)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which new ones get 429")
+    p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens prefilled per round")
+
+
+def register(sub) -> None:
+    from .cli import add_model_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                       description="POST /v1/completions, /v1/chat/completions (SSE with stream=true), "
+                                   "GET /v1/models, /health, /metrics.")
+    add_model_args(p)
+    add_scheduler_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default="castspec", help="the id reported by /v1/models")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives no max_tokens")
+    p.set_defaults(func=cmd_serve)

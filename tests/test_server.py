@@ -1,0 +1,201 @@
+"""The OpenAI-compatible HTTP API: schema, exact outputs, streaming chunks, validation, 429, disconnects."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from castspec.config import DecodeConfig
+from castspec.decode import decode
+from castspec.engine import Engine
+from castspec.scheduler import Request, SchedulerConfig
+from castspec.server import ServerConfig, TextStream, create_app
+from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine():
+    target = native(make_hf(llama_config(vocab=24, max_position_embeddings=256), seed=1))
+    return Engine(target, tiny_tokenizer(24), random_drafter(target, block_size=8, seed=2))
+
+
+def make_app(engine, **kw):
+    cfg = SchedulerConfig(**{"max_batch": 4, "policy": "shared", "width": 16, **kw})
+    return create_app(engine, engine.scheduler(cfg, "cast"), ServerConfig(model_name="tiny"))
+
+
+def ar_tokens(engine, ids, n):
+    cfg = DecodeConfig(method="ar", max_new_tokens=n, stop_token_ids=engine.stop_ids())
+    return [t for c in decode(engine.target, None, ids, cfg) for t in c]
+
+
+def sse(lines):
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completions_chat_models_health_metrics(engine):
+    with TestClient(make_app(engine)) as client:
+        assert client.get("/health").json()["status"] == "ok"
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        prompt = [4, 5, 6, 7]
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        truth = ar_tokens(engine, prompt, 20)
+        assert body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == engine.tokenizer.decode(truth, skip_special_tokens=True)
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": len(truth), "total_tokens": 4 + len(truth)}
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+
+        msgs = [{"role": "user", "content": "w3 w4 w5"}]
+        r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        ids = engine.encode(messages=msgs)
+        assert r.json()["choices"][0]["message"] == {
+            "role": "assistant", "content": engine.tokenizer.decode(ar_tokens(engine, ids, 12), skip_special_tokens=True)}
+
+        text = client.get("/metrics").text
+        assert 'castspec_requests_total{reason="length"}' in text or 'castspec_requests_total{reason="stop"}' in text
+        assert "castspec_accepted_tokens_bucket" in text and "castspec_batch_size_bucket" in text
+        snap = client.get("/metrics?format=json").json()
+        assert snap["tokens"] == len(truth) + r.json()["usage"]["completion_tokens"]
+        assert snap["mean_committed_per_round"] >= 1.0
+
+
+def test_streaming_chunks_concatenate_to_the_full_answer(engine):
+    with TestClient(make_app(engine)) as client:
+        body = {"messages": [{"role": "user", "content": "w7 w8"}], "max_tokens": 16, "temperature": 0}
+        full = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+        with client.stream("POST", "/v1/chat/completions",
+                           json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            chunks = sse(list(r.iter_lines()))
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == full
+        finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finals[-1] in ("stop", "length") and all(f is None for f in finals[:-1])
+        assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-1]["object"] == "chat.completion.chunk"
+
+        with client.stream("POST", "/v1/completions", json={"prompt": "w1 w2", "max_tokens": 10, "stream": True,
+                                                            "temperature": 0}) as r:
+            chunks = sse(list(r.iter_lines()))
+        full = client.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 10, "temperature": 0}).json()
+        assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ("{not json", 400, "JSON"),
+    ({"prompt": [1, 2], "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 10 ** 6}, 400, "context"),
+    ({"prompt": [1, 2], "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 4, "bogus": 1}, 400, "bogus"),
+    ({"prompt": [1, 2], "n": 2}, 400, "n"),
+    ({"prompt": [1, 99]}, 400, "vocabulary"),
+    ({"prompt": []}, 400, "empty"),
+    ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1, 2], "model": "gpt-9"}, 404, "gpt-9"),
+])
+def test_bad_requests_get_4xx_with_a_message(engine, body, status, needle):
+    with TestClient(make_app(engine)) as client:
+        if isinstance(body, str):
+            r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        else:
+            r = client.post("/v1/completions", json=body)
+        assert r.status_code == status, r.text
+        assert needle.lower() in r.json()["error"]["message"].lower()
+        # and the server still works
+        assert client.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 3}).status_code == 200
+
+
+def test_chat_validation(engine):
+    with TestClient(make_app(engine)) as client:
+        assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+        assert client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}).status_code == 400
+
+
+def test_full_queue_answers_429_and_closed_answers_503(engine):
+    scheduler = engine.scheduler(SchedulerConfig(max_batch=1, max_queue=1, policy="fixed", width=4), "cast")
+    client = TestClient(create_app(engine, scheduler))  # no lifespan: no rounds run, the queue stays full
+    scheduler.submit(Request([1, 2], DecodeConfig(max_new_tokens=2), lambda t: None, lambda r, e: None))
+    r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 429 and "queue is full" in r.json()["error"]["message"]
+    scheduler.close(threading.Event())
+    r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 503
+
+
+def test_stop_strings_cut_the_text():
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    ts = TextStream(Tok(), ["cde"])
+    assert ts.add([0, 1]) == "ab"
+    assert ts.add([2]) == ""  # "c" may start the stop string: it waits
+    assert ts.add([3, 4, 5]) == "" and ts.stopped
+    ts = TextStream(Tok(), ["cx"])
+    assert ts.add([0, 1, 2]) == "ab" and ts.add([3]) == "cd" and not ts.stopped
+    assert ts.add([], final=True) == ""
+
+
+class LiveServer:
+    """uvicorn on a free loopback port in a thread (real sockets: needed for disconnects)."""
+
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return f"http://127.0.0.1:{self.port}"
+            time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def test_concurrent_requests_are_exact_and_disconnects_cancel(engine):
+    app = make_app(engine, max_batch=3)
+    prompts = [[4, 5, 6], [7, 8], [9, 10, 11, 12, 13], [14], [15, 16, 17]]
+    tokens = [ar_tokens(engine, p, 24) for p in prompts]
+    truth = [engine.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    with LiveServer(app) as url:
+        async def main():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                async def one(p):
+                    r = await client.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0})
+                    return r.json()["choices"][0]["text"]
+
+                async def abandon():
+                    async with client.stream("POST", "/v1/completions",
+                                             json={"prompt": [5, 5], "max_tokens": 200, "stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                break  # the client goes away after the first chunk
+
+                results = await asyncio.gather(*(one(p) for p in prompts), abandon())
+                return results[:-1]
+
+        assert asyncio.run(main()) == truth
+        for _ in range(100):
+            snap = httpx.get(f"{url}/metrics?format=json").json()
+            if snap["requests"]["cancelled"] >= 1 and snap["active"] == 0:
+                break
+            time.sleep(0.05)
+        assert snap["requests"]["cancelled"] == 1 and snap["active"] == 0
+        assert snap["tokens"] < sum(map(len, tokens)) + 200  # the abandoned request stopped early
