@@ -12,7 +12,7 @@ from tqdm import tqdm
 from .cost import CostProfile, profile_key
 from .batch import run_round, synchronize
 from .config import DecodeConfig
-from .sequence import Sequence
+from .sequence import Sequence, propose_batch
 from .pack import pack_tree
 from .tree import build_tree
 from .verify import greedy_walk
@@ -100,6 +100,59 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
     return CostProfile(engine_key(engine), list(packed), list(prefix_lens), verify_ms, draft_ms, host)
 
 
+def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_request=(1, 2, 4, 8, 16, 32),
+                prefix: int = 256, reps: int = 3, warmup: int = 1, top_k: int = 8, progress: bool = True,
+                seed: int = 0) -> CostProfile:
+    """Add batched shapes to `profile`: one ragged verify forward of B requests (prefix `prefix` each) with n
+    packed tokens per request, l(B, B*n), and the batched drafter pass, as serving runs them."""
+    target, drafter = engine.target, engine.drafter
+    device = target.device
+    V = target.cfg.vocab_size
+    L = drafter.cfg.num_draft_positions if drafter is not None else 15
+    g = torch.Generator().manual_seed(seed)
+    logprobs = torch.log_softmax(torch.randn(L, V, generator=g) * 4, dim=-1)
+    bar = tqdm(total=len(batch_sizes) * (len(per_request) + 1), desc="probe (batched)", disable=not progress)
+    cfg = DecodeConfig(method="cast", max_new_tokens=2)
+    with torch.inference_mode():
+        for B in batch_sizes:
+            seqs = [Sequence(target, drafter, torch.randint(0, V, (prefix,), generator=g).tolist(), cfg,
+                             max(per_request)) for _ in range(B)]
+            run_round(target, drafter, seqs, None, prefill_budget=prefix * B)
+            taps = seqs[0].taps
+            totals, times = [], []
+            for n in per_request:
+                tree = build_tree(logprobs, n - 1, top_k)
+                parts = [s.verify_segment(tree) for s in seqs]
+                ids = torch.cat([pk.ids for pk, _ in parts], dim=1)
+                pos = torch.cat([pk.positions for pk, _ in parts], dim=1)
+                segs = [seg for _, seg in parts]
+
+                def verify():
+                    logits, _ = target.forward_segments(ids, pos, segs, taps=taps)
+                    logits[0].argmax(-1).tolist()
+
+                totals.append(B * n)
+                times.append(_median_ms(verify, reps, warmup, device))
+                bar.update(1)
+            draft = 0.0
+            if drafter is not None:
+                states = [s.draft for s in seqs]
+                ctx = [st.pending for st in states]
+                keep = 3
+
+                def draft_pass():
+                    for st, c in zip(states, ctx):
+                        st.cache.length = prefix - keep
+                        st.pending = c[:, -keep:]
+                    propose_batch(target, drafter, states, [s.root for s in seqs], [L] * B)
+
+                draft = _median_ms(draft_pass, reps, warmup, device)
+            bar.update(1)
+            profile.batch[str(B)] = {"packed": totals, "verify_ms": times, "draft_ms": draft, "prefix": prefix}
+    bar.close()
+    return profile
+
+
 def plot_profile(profile: CostProfile, path) -> None:
     import matplotlib
 
@@ -110,6 +163,8 @@ def plot_profile(profile: CostProfile, path) -> None:
     for P, row in zip(profile.prefix_lens, profile.verify_ms):
         ax.plot(profile.packed, row, marker="o", label=f"verify, prefix {P}")
     ax.plot(profile.packed, [profile.host_at(n - 1) for n in profile.packed], marker="x", label="host h(N)")
+    for B, entry in sorted(profile.batch.items(), key=lambda kv: int(kv[0])):
+        ax.plot(entry["packed"], entry["verify_ms"], marker=".", linestyle="--", label=f"verify, batch {B} (total)")
     ax.set_xlabel("packed tokens n = N + 1")
     ax.set_ylabel("ms")
     ax.set_title(f"{profile.key['device']} {profile.key['dtype']}")

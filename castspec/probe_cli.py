@@ -9,20 +9,23 @@ def cmd_probe(args) -> int:
     from .cli import UserError, load_engine
     from .cost import profile_path
     from .models.load import cache_dir
-    from .probe import engine_key, plot_profile, probe
+    from .probe import engine_key, plot_profile, probe, probe_batch
 
     try:
         packed = tuple(int(x) for x in args.packed.split(","))
         prefixes = tuple(int(x) for x in args.prefix_lens.split(","))
+        batches = tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else ()
     except ValueError:
         raise UserError("--packed and --prefix-lens are comma lists of integers") from None
-    if min(packed) < 1 or min(prefixes) < 1:
+    if min(packed) < 1 or min(prefixes) < 1 or min(batches, default=1) < 1:
         raise UserError("packed counts and prefix lengths must be >= 1")
     engine = load_engine(args)
     ctx = engine.target.cfg.max_positions
     if max(prefixes) + max(packed) + 2 > ctx:
         raise UserError(f"prefix {max(prefixes)} + {max(packed)} packed tokens exceed the context ({ctx})")
     profile = probe(engine, packed, prefixes, reps=args.reps, warmup=args.warmup)
+    if batches:
+        probe_batch(engine, profile, batches, reps=args.reps, warmup=args.warmup)
     stored = profile_path(cache_dir(), engine_key(engine))
     profile.save(stored)
     if args.out:
@@ -30,7 +33,7 @@ def cmd_probe(args) -> int:
     if args.plot:
         plot_profile(profile, args.plot)
     print(json.dumps({"profile": str(stored), "packed": profile.packed, "verify_ms": profile.verify_ms,
-                      "draft_ms": profile.draft_ms, "host_ms": profile.host_ms}, indent=2))
+                      "draft_ms": profile.draft_ms, "host_ms": profile.host_ms, "batch": profile.batch}, indent=2))
     return 0
 
 
@@ -43,6 +46,7 @@ def register(sub) -> None:
     add_model_args(p)
     p.add_argument("--packed", default="1,2,4,8,16,24,32,48,64,96,128")
     p.add_argument("--prefix-lens", default="128,512")
+    p.add_argument("--batch-sizes", default="", help="also time batched (serving) shapes, e.g. 2,4,8,16")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the profile JSON here")

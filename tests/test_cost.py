@@ -9,7 +9,7 @@ from castspec.config import DecodeConfig
 from castspec.cost import Calibration, CostProfile, RoundWidth, throughput, width_affine, width_table
 from castspec.decode import decode
 from castspec.engine import Engine
-from castspec.probe import probe
+from castspec.probe import probe, probe_batch
 from conftest import llama_config, make_hf, native, random_drafter
 
 PACKED = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -100,6 +100,16 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     prof = probe(engine, packed=(1, 2, 4, 8, 16), prefix_lens=(8, 32), reps=2, warmup=1, progress=False)
     assert len(prof.verify_ms) == 2 and len(prof.verify_ms[0]) == 5 and all(v > 0 for v in prof.verify_ms[0])
     assert set(prof.host_ms) == {"0", "1", "3", "7", "15"} and prof.draft_ms[0] > 0
+    probe_batch(engine, prof, batch_sizes=(2, 3), per_request=(1, 4), prefix=8, reps=1, warmup=0, progress=False)
+    assert prof.batch["3"]["packed"] == [3, 12] and all(v > 0 for v in prof.batch["3"]["verify_ms"])
+    assert prof.batch["2"]["draft_ms"] > 0
+    # batched costs interpolate between probed batch sizes; B = 1 is the single-request curve
+    mid = prof.batch_verify_at(2.5, 6, 8)
+    assert min(prof.batch_verify_at(2, 6, 8), prof.batch_verify_at(3, 6, 8)) <= mid
+    assert mid <= max(prof.batch_verify_at(2, 6, 8), prof.batch_verify_at(3, 6, 8))
+    assert prof.batch_verify_at(1, 4, 8) == prof.verify_at(4, 8)
+    prof.save(tmp_path / "p.json")
+    assert CostProfile.load(tmp_path / "p.json").batch == prof.batch
     # with a flat made-up cost the rule wants everything, but K=2, L=3 leaves only 14 strings
     flat = profile_from(lambda n: 1.0)
     engine.set_cost_profile(flat)
