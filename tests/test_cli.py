@@ -73,8 +73,25 @@ def test_bad_input_is_one_line_without_traceback(dirs, capsys, args, message):
 def test_help_for_every_subcommand():
     out = subprocess.run([sys.executable, "-m", "castspec.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "generate" in out.stdout
-    commands = ["generate", "demo", "bench", "probe", "make-data", "train-drafter", "eval-drafter"]
+    commands = ["generate", "demo", "bench", "probe", "make-data", "train-drafter", "eval-drafter", "serve",
+                "loadtest"]
     assert all(c in out.stdout for c in commands)
     for cmd in commands:
         sub = subprocess.run([sys.executable, "-m", "castspec.cli", cmd, "--help"], capture_output=True, text=True)
         assert sub.returncode == 0 and "usage:" in sub.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--policy", "widest"], "unknown policy 'widest'"),
+    (["serve", "--method", "beam"], "unknown method 'beam'"),
+    (["serve", "--port", "70000"], "--port must be in 1..65535"),
+    (["serve", "--max-batch", "0"], "max_batch"),
+    (["serve", "--target", "{root}/target", "--dtype", "fp32"], "needs a drafter"),
+    (["loadtest", "--policies", "fixed"], "needs a width"),
+    (["loadtest", "--concurrency", "1,x"], "--concurrency is a comma list"),
+    (["loadtest", "--concurrency", "0"], "must be >= 1"),
+])
+def test_serving_commands_reject_bad_input_in_one_line(dirs, capsys, argv, message):
+    code, out, err = run_cli(capsys, *[a.format(root=dirs) for a in argv])
+    assert code == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

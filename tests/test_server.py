@@ -1,18 +1,17 @@
 """The OpenAI-compatible HTTP API: schema, exact outputs, streaming chunks, validation, 429, disconnects."""
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.engine import Engine
+from castspec.loadtest import LiveServer, parse_spec, run_load, summarize
 from castspec.scheduler import Request, SchedulerConfig
 from castspec.server import ServerConfig, TextStream, create_app
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
@@ -146,29 +145,6 @@ def test_stop_strings_cut_the_text():
     assert ts.add([], final=True) == ""
 
 
-class LiveServer:
-    """uvicorn on a free loopback port in a thread (real sockets: needed for disconnects)."""
-
-    def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return f"http://127.0.0.1:{self.port}"
-            time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 def test_concurrent_requests_are_exact_and_disconnects_cancel(engine):
     app = make_app(engine, max_batch=3)
     prompts = [[4, 5, 6], [7, 8], [9, 10, 11, 12, 13], [14], [15, 16, 17]]
@@ -199,3 +175,22 @@ def test_concurrent_requests_are_exact_and_disconnects_cancel(engine):
             time.sleep(0.05)
         assert snap["requests"]["cancelled"] == 1 and snap["active"] == 0
         assert snap["tokens"] < sum(map(len, tokens)) + 200  # the abandoned request stopped early
+
+
+def test_loadtest_against_a_live_server(engine):
+    msgs = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in range(1, 6)]
+    results = []
+    for spec in ("chain", "fixed:4", "shared:8"):
+        method, policy, width = parse_spec(spec)
+        sched = engine.scheduler(SchedulerConfig(max_batch=2, policy=policy, width=width), method)
+        with LiveServer(create_app(engine, sched)) as url:
+            res = asyncio.run(run_load(url, msgs, concurrency=2, requests=5, max_tokens=8))
+        assert res["ok"] == 5 and res["errors"] == [] and res["tokens"] > 0
+        assert res["p99_latency_s"] >= res["p50_latency_s"] > 0 and res["mean_committed_per_round"] >= 1
+        results.append({"policy": spec, "concurrency": 2, **res})
+    summary = summarize(results)["2"]
+    assert summary["best_static"]["policy"] == "fixed:4" and "shared:8" in summary["vs_best_static"]
+    with pytest.raises(ValueError, match="width"):
+        parse_spec("fixed")
+    with pytest.raises(ValueError, match="unknown"):
+        parse_spec("widest")
