@@ -27,7 +27,11 @@ class Policy:
     def allocate(self, logprobs: list[torch.Tensor], prefixes: list[int]) -> list[Tree]:
         raise NotImplementedError
 
-    def update(self, committed: int, round_ms: float) -> None:
+    def should_draft(self) -> bool:
+        """Whether this round drafts at all (a round without a draft is a plain autoregressive step)."""
+        return True
+
+    def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
         """Feedback after each round: tokens committed by the whole batch and the round's wall time."""
 
 
@@ -91,24 +95,52 @@ class SharedBudget(Policy):
 
 class CostAware(Policy):
     """Global best-first with the budget chosen from measured costs: keep adding the best remaining candidate
-    of any request while its mass pays for the extra packed token at the running throughput (RoundWidth)."""
+    of any request while its mass pays for the extra packed token at the running throughput (RoundWidth).
+
+    Drafting itself is a cost too: when drafted rounds have been committing fewer tokens per ms than plain
+    autoregressive rounds, the policy stops drafting and re-tries a drafted round every `explore_every`
+    rounds, so a prompt on which the drafter does well gets it back (Theorem 2's N = 0 with the draft unpaid).
+    """
 
     name = "cost"
 
-    def __init__(self, rule: RoundWidth, top_k: int = 8):
+    def __init__(self, rule: RoundWidth, top_k: int = 8, explore_every: int = 8, momentum: float = 0.8):
         self.rule, self.top_k = rule, top_k
+        self.explore_every, self.momentum = explore_every, momentum
+        self.plain_rate: float | None = None  # committed tokens per ms of rounds without a draft
+        self.skipped = 0
+        self.batch = 1  # requests in the last drafted round
+
+    def _plain_rate(self) -> float:
+        """Measured once plain rounds have run; before that, the profile's price of a verify of B roots."""
+        if self.plain_rate is not None:
+            return self.plain_rate
+        prof = self.rule.profile
+        return self.batch / max(prof.batch_verify_at(self.batch, self.batch, prof.prefix_lens[0]) + prof.host_at(0), 1e-6)
 
     def max_nodes(self, depth: int) -> int:
         return min(self.rule.max_width, universe_size(depth, self.top_k))
 
+    def should_draft(self) -> bool:
+        if self.rule.lam is None or self.rule.lam >= self._plain_rate():
+            return True
+        return self.skipped + 1 >= self.explore_every
+
     def allocate(self, logprobs, prefixes):
         cap = self.max_nodes(logprobs[0].shape[0]) if logprobs else 0
+        self.batch = max(len(logprobs), 1)
         trees = build_forest(logprobs, cap * len(logprobs), self.top_k, [cap] * len(logprobs))
         counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes)
         return [t.head(c) for t, c in zip(trees, counts)]
 
-    def update(self, committed: int, round_ms: float) -> None:
-        self.rule.update(committed, round_ms)
+    def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
+        if drafted:
+            self.skipped = 0
+            self.rule.update(committed, round_ms)
+            return
+        self.skipped += 1
+        rate = committed / max(round_ms, 1e-6)
+        self.plain_rate = rate if self.plain_rate is None else self.momentum * self.plain_rate + (1 - self.momentum) * rate
 
 
 def make_policy(name: str, width: int = 15, top_k: int = 8, rule: RoundWidth | None = None) -> Policy:

@@ -54,7 +54,8 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     device = target.device
     clock = time.perf_counter
     running = [s for s in seqs if s.decoding]
-    drafting = [s for s in running if draft and policy is not None and s.wants_draft()]
+    draft = draft and policy is not None and any(s.wants_draft() for s in running) and policy.should_draft()
+    drafting = [s for s in running if draft and s.wants_draft()]
     trees: dict[int, Tree] = {}
     t = clock()
     if drafting:
@@ -136,6 +137,6 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
         lrow += rows
     synchronize(device)
     out.host_ms += (clock() - th) * 1e3
-    if policy is not None and drafting:
-        policy.update(sum(out.accepted.values()) + len(out.accepted), out.total_ms)
+    if policy is not None and out.accepted:
+        policy.update(sum(out.accepted.values()) + len(out.accepted), out.total_ms, drafted=bool(drafting))
     return out

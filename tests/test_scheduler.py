@@ -210,3 +210,18 @@ def test_a_failing_request_does_not_take_down_the_batch(models, monkeypatch):
     assert outs[0] == truth[0] and outs[2] == truth[2]
     assert reasons[0] == ("length", None) and reasons[2] == ("length", None)
     assert make_policy("chain").name == "chain"
+
+
+def test_cost_policy_stops_drafting_when_plain_rounds_are_faster():
+    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4)
+    assert policy.should_draft()  # nothing measured yet
+    policy.update(2, 40.0)  # a drafted round: 0.05 tokens/ms, below the profile's 1 / 10 ms plain rate
+    decisions = []
+    for _ in range(8):
+        d = policy.should_draft()
+        decisions.append(d)
+        policy.update(1, 10.0, drafted=False) if not d else policy.update(2, 40.0)
+    assert decisions == [False, False, False, True, False, False, False, True]  # explores every 4th round
+    policy.update(12, 40.0)  # the drafter starts paying: 0.3 tokens/ms (EMA crosses 0.1)
+    policy.update(12, 40.0)
+    assert policy.should_draft()

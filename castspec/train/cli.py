@@ -58,6 +58,11 @@ def register(sub) -> None:
     t.add_argument("--mask-token-id", type=int, default=16, help="default: <empty_output> of SmolLM2")
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--export-every", type=int, default=500)
+    t.add_argument("--norm-init", choices=("target", "small"), default="target",
+                   help="final norm at start: the target's (default) or small (near-flat first logits)")
+    t.add_argument("--init-from", default=None, help="warm start from this drafter directory (same shapes)")
+    t.add_argument("--init-from-target", action="store_true",
+                   help="start the drafter layers from the target's last layers")
     t.add_argument("--eval-per-domain", type=int, default=10,
                    help="held-out prompts per domain for the replay R written to OUT/curve.json at each export")
     _add_datagen_args(t)
@@ -100,7 +105,8 @@ def cmd_train_drafter(args) -> int:
     cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
                       block_size=args.block_size, num_layers=args.layers, lr=args.lr, seed=args.seed,
                       mask_token_id=args.mask_token_id, bf16=args.dtype == "bf16",
-                      checkpoint_every=args.checkpoint_every, export_every=args.export_every)
+                      checkpoint_every=args.checkpoint_every, export_every=args.export_every,
+                      norm_init=args.norm_init, init_from=args.init_from, init_from_target=args.init_from_target)
     from transformers import AutoConfig
 
     rope = rope_parameters_of(AutoConfig.from_pretrained(loaded.source))

@@ -52,6 +52,10 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = True
     init_from_target: bool = False  # start drafter layers from the target's last layers (same shapes)
+    # final norm at start: "target" copies the target's final norm (the drafter's rows go through the target's
+    # lm_head, like its last hidden states); "small" starts near-flat logits (slow: Adam grows it ~lr per step)
+    norm_init: str = "target"
+    init_from: str | None = None  # warm start: an existing drafter directory with the same shapes
     checkpoint_every: int = 100
     export_every: int = 500
     tap_layers: list[int] = field(default_factory=list)
@@ -67,7 +71,8 @@ def drafter_config_for(target: Decoder, cfg: TrainConfig, rope: dict) -> Drafter
                          max_positions=t.max_positions, vocab_size=t.vocab_size)
 
 
-def init_drafter(target: Decoder, dcfg: DrafterConfig, from_target: bool, seed: int) -> DFlashDrafter:
+def init_drafter(target: Decoder, dcfg: DrafterConfig, from_target: bool, seed: int,
+                 norm_init: str = "target") -> DFlashDrafter:
     torch.manual_seed(seed)
     d = DFlashDrafter(dcfg, dtype=torch.float32, device="cpu")
     with torch.no_grad():
@@ -85,12 +90,35 @@ def init_drafter(target: Decoder, dcfg: DrafterConfig, from_target: bool, seed: 
                 dst.mlp.down_proj.weight.copy_(s.mlp.down_proj.weight.float())
                 dst.input_layernorm.weight.copy_(s.input_layernorm.weight.float())
                 dst.post_attention_layernorm.weight.copy_(s.post_attention_layernorm.weight.float())
-        # At step 0 every block row is little more than its input embedding, and the tied lm_head scores that
-        # embedding against itself: with unit norm weights the first logits span tens of nats (loss ~35 instead
-        # of log V). Start the final norm small so the first logits are nearly flat (spread ~0.1).
-        spread = target.head_weight.float().std().item() * dcfg.hidden_size ** 0.5
-        d.norm.weight.fill_(0.1 / max(spread, 1e-6))
+        if norm_init == "target":
+            # The logit scale is set by this norm alone (what comes before it is RMS-normalized): starting from
+            # the target's own final norm gives the drafter the target's confidence range from step 0. A small
+            # start (below) caps the logit scale for ~1/lr steps; the first shipped drafter lost most of its
+            # 750 steps to that (its norm grew from 0.03 to 0.29; the target's is 1.8).
+            d.norm.weight.copy_(target.model.norm.weight.float())
+        else:
+            # At step 0 a block row is little more than its input embedding, which the tied lm_head scores
+            # against itself: a small norm keeps the first logits nearly flat (spread ~0.1)
+            spread = target.head_weight.float().std().item() * dcfg.hidden_size ** 0.5
+            d.norm.weight.fill_(0.1 / max(spread, 1e-6))
     return d
+
+
+def warm_start(drafter: DFlashDrafter, path: Path) -> None:
+    """Copy the weights of an existing drafter with the same configuration (fine-tuning on new data)."""
+    from safetensors.torch import load_file
+
+    from ..config import DrafterConfig
+
+    try:
+        other = DrafterConfig.from_json(json.loads((path / "config.json").read_text()))
+        weights = load_file(path / "model.safetensors")
+    except Exception as e:
+        raise TrainError(f"cannot warm-start from {path}: {type(e).__name__}: {e}") from None
+    if other.to_json() != drafter.cfg.to_json():
+        raise TrainError(f"cannot warm-start from {path}: its configuration differs from this run's")
+    with torch.no_grad():
+        drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -181,7 +209,9 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
         if max(r["prompt_ids"] + r["response_ids"], default=0) >= vocab:
             raise TrainError(f"data token ids exceed the target vocabulary ({vocab}): data made for another target?")
     dcfg = drafter_config_for(target, cfg, rope)
-    drafter = init_drafter(target, dcfg, cfg.init_from_target, cfg.seed)
+    drafter = init_drafter(target, dcfg, cfg.init_from_target, cfg.seed, cfg.norm_init)
+    if cfg.init_from:
+        warm_start(drafter, Path(cfg.init_from))
     trainable = [p for p in drafter.parameters()]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
