@@ -104,7 +104,8 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     taps = drafter.cfg.target_layer_ids if drafter is not None and any(s.draft for s, *_ in work) else ()
     ids_t = torch.tensor([ids], dtype=torch.long, device=device)
     pos_t = torch.tensor([positions], dtype=torch.long, device=device)
-    rows_t = torch.tensor(logit_rows, dtype=torch.long, device=device)
+    # every row needs logits in pure verify rounds: skip the gather then
+    rows_t = None if len(logit_rows) == row else torch.tensor(logit_rows, dtype=torch.long, device=device)
     out.host_ms += (clock() - th) * 1e3
 
     tv = clock()
