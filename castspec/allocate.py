@@ -98,15 +98,19 @@ class CostAware(Policy):
     of any request while its mass pays for the extra packed token at the running throughput (RoundWidth).
 
     Drafting itself is a cost too: when drafted rounds have been committing fewer tokens per ms than plain
-    autoregressive rounds, the policy stops drafting and re-tries a drafted round every `explore_every`
-    rounds, so a prompt on which the drafter does well gets it back (Theorem 2's N = 0 with the draft unpaid).
+    autoregressive rounds, the policy stops drafting and re-tries a drafted round after `explore_every`
+    plain rounds, doubling that gap after every try that still loses (up to `max_explore_every`) and resetting
+    it when drafting wins again, so a prompt on which the drafter does well gets it back while a deployment
+    where drafting never pays loses little to the tries (Theorem 2's N = 0 with the draft unpaid).
     """
 
     name = "cost"
 
-    def __init__(self, rule: RoundWidth, top_k: int = 8, explore_every: int = 8, momentum: float = 0.8):
+    def __init__(self, rule: RoundWidth, top_k: int = 8, explore_every: int = 8, momentum: float = 0.8,
+                 max_explore_every: int = 64):
         self.rule, self.top_k = rule, top_k
         self.explore_every, self.momentum = explore_every, momentum
+        self.min_explore, self.max_explore = explore_every, max_explore_every
         self.plain_rate: float | None = None  # committed tokens per ms of rounds without a draft
         self.skipped = 0
         self.batch = 1  # requests in the last drafted round
@@ -135,8 +139,13 @@ class CostAware(Policy):
 
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
         if drafted:
+            was_skipping = self.skipped > 0
             self.skipped = 0
             self.rule.update(committed, round_ms)
+            if self.rule.lam >= self._plain_rate():
+                self.explore_every = self.min_explore
+            elif was_skipping:  # a try that still lost: wait longer before the next one
+                self.explore_every = min(2 * self.explore_every, self.max_explore)
             return
         self.skipped += 1
         rate = committed / max(round_ms, 1e-6)

@@ -221,7 +221,9 @@ def test_cost_policy_stops_drafting_when_plain_rounds_are_faster():
         d = policy.should_draft()
         decisions.append(d)
         policy.update(1, 10.0, drafted=False) if not d else policy.update(2, 40.0)
-    assert decisions == [False, False, False, True, False, False, False, True]  # explores every 4th round
+    # tries a drafted round after 3 plain ones, then waits twice as long after each try that still loses
+    assert decisions == [False, False, False, True, False, False, False, False]
+    assert policy.explore_every == 8
     policy.update(12, 40.0)  # the drafter starts paying: 0.3 tokens/ms (EMA crosses 0.1)
     policy.update(12, 40.0)
-    assert policy.should_draft()
+    assert policy.should_draft() and policy.explore_every == 4
