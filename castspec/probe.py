@@ -41,15 +41,19 @@ def engine_key(engine) -> dict:
     return profile_key(f"{dev.type}:{name}", str(engine.dtype).replace("torch.", ""), str(engine.source), drafter)
 
 
+def _draft_shape(drafter, vocab: int, seed: int):
+    """Block depth, a seeded generator and realistic tree shapes (best-first over peaked random marginals)."""
+    L = drafter.cfg.num_draft_positions if drafter is not None else 15
+    g = torch.Generator().manual_seed(seed)
+    return L, g, torch.log_softmax(torch.randn(L, vocab, generator=g) * 4, dim=-1)
+
+
 def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, warmup: int = 2,
           top_k: int = 8, progress: bool = True, seed: int = 0) -> CostProfile:
     target, drafter = engine.target, engine.drafter
     device = target.device
     V = target.cfg.vocab_size
-    L = drafter.cfg.num_draft_positions if drafter is not None else 15
-    g = torch.Generator().manual_seed(seed)
-    # realistic tree shapes: best-first over peaked random marginals
-    logprobs = torch.log_softmax(torch.randn(L, V, generator=g) * 4, dim=-1)
+    L, g, logprobs = _draft_shape(drafter, V, seed)
     verify_ms, draft_ms = [], []
     bar = tqdm(total=len(prefix_lens) * (len(packed) + 1), desc="probe", disable=not progress)
     with torch.inference_mode():
@@ -108,9 +112,7 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
     target, drafter = engine.target, engine.drafter
     device = target.device
     V = target.cfg.vocab_size
-    L = drafter.cfg.num_draft_positions if drafter is not None else 15
-    g = torch.Generator().manual_seed(seed)
-    logprobs = torch.log_softmax(torch.randn(L, V, generator=g) * 4, dim=-1)
+    L, g, logprobs = _draft_shape(drafter, V, seed)
     bar = tqdm(total=len(batch_sizes) * (len(per_request) + 1), desc="probe (batched)", disable=not progress)
     cfg = DecodeConfig(method="cast", max_new_tokens=2)
     with torch.inference_mode():

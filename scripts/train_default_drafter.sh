@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-data/smollm2-bf16-greedy}
-RUN=${RUN:-runs/drafter-smollm2}
-STEPS=${STEPS:-1000}
+RUN=${RUN:-runs/drafter-smollm2-v2}
+STEPS=${STEPS:-1100}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), two single-thread workers
@@ -14,8 +14,10 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA" --threads 1 --batch-size 24 --part 1/2 &
   wait
 fi
-# 2. training (checkpoint every 50 steps; replay R on 10 held-out prompts per domain at every export)
-$CLI train-drafter --data "$DATA" --out "$RUN" --steps "$STEPS" --lr 1e-3 --checkpoint-every 50 --export-every 250
+# 2. training (checkpoint every 50 steps; replay R on 10 held-out prompts per domain at every export).
+#    The drafter's layers start from the target's last three layers and its final norm from the target's.
+$CLI train-drafter --data "$DATA" --out "$RUN" --steps "$STEPS" --lr 1e-3 --init-from-target \
+    --checkpoint-every 50 --export-every 275
 # 3. ship: bf16 weights in the public DFlash layout, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
 cp "$RUN/drafter/config.json" "$RUN/drafter/model.safetensors" castspec/assets/drafter-smollm2-135m/
