@@ -117,3 +117,27 @@ def test_replay_r_runs_on_a_trained_drafter(tiny_data, tmp_path):
     r = replay_r(target, drafter, [dict(r, domain="x") for r in records[:4]], widths=(3, 15), top_k=4)
     # best-first trees are nested, so a wider one never commits less; every round commits at least one token
     assert r["chain"]["x"] >= 1.0 and 1.0 <= r["cast@3"]["x"] <= r["cast@15"]["x"] + 1e-9
+
+
+def test_initialization_options_and_warm_start(tiny_data, tmp_path):
+    from castspec.train.trainer import drafter_config_for, init_drafter
+
+    target, records = tiny_data
+    dcfg = drafter_config_for(target, tiny_config(), ROPE)
+    d = init_drafter(target, dcfg, from_target=True, seed=0, norm_init="target")
+    torch.testing.assert_close(d.norm.weight, target.model.norm.weight.float())
+    torch.testing.assert_close(d.layers[-1].mlp.gate_up_weight, target.model.layers[-1].mlp.gate_up_weight.float())
+    small = init_drafter(target, dcfg, from_target=False, seed=0, norm_init="small")
+    assert small.norm.weight.abs().max() < 0.5 * d.norm.weight.abs().mean()
+    # warm start: a run initialized from an exported drafter starts from exactly its weights
+    train(target, records, tmp_path / "a", tiny_config(steps=10), ROPE, progress=False)
+    state = train(target, records, tmp_path / "b", tiny_config(steps=1, lr=0.0, init_from=str(tmp_path / "a" / "drafter")),
+                  ROPE, progress=False)
+    assert state.step == 1
+    a = load_drafter(tmp_path / "a" / "drafter", target, dtype=torch.float32).state_dict()
+    b = load_drafter(tmp_path / "b" / "drafter", target, dtype=torch.float32).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])
+    with pytest.raises(TrainError, match="cannot warm-start"):
+        train(target, records, tmp_path / "c", tiny_config(steps=1, num_layers=3, init_from=str(tmp_path / "a" / "drafter")),
+              ROPE, progress=False)
