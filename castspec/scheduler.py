@@ -101,11 +101,12 @@ class Metrics:
     def snapshot(self) -> dict:
         up = max(time.time() - self.started, 1e-9)
         return {
-            "requests": dict(self.requests), "rejected": self.rejected, "tokens": self.tokens,
+            "requests": self.requests.copy(), "rejected": self.rejected, "tokens": self.tokens,
             "goodput_tokens": self.goodput_tokens, "goodput_tokens_per_s": self.goodput_tokens / up,
             "rounds": self.rounds, "mean_committed_per_round": self.committed / max(self.verified, 1),
-            "acceptance_histogram": dict(sorted(self.acceptance.items())),
-            "batch_size_histogram": dict(sorted(self.batch_sizes.items())),
+            # .copy() is atomic under the GIL: the scheduler thread may be adding a key right now
+            "acceptance_histogram": dict(sorted(self.acceptance.copy().items())),
+            "batch_size_histogram": dict(sorted(self.batch_sizes.copy().items())),
             "prefill_tokens": self.prefill_tokens, "busy_s": self.busy_ms / 1e3, "uptime_s": up,
         }
 
