@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .config import DecodeConfig
 from .decode import decode
 from .tree import build_tree
 

@@ -46,16 +46,17 @@ class RoundOutput:
 
 
 def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence], policy: Policy | None,
-              prefill_budget: int = 512, draft: bool = True) -> RoundOutput:
+              prefill_budget: int = 512) -> RoundOutput:
     """Advance every sequence in `seqs` by one round. Sequences still reading their prompt get up to
-    `prefill_budget` prompt tokens in all (first come first served); the others verify a tree.
-    `draft=False` skips the drafter this round (every running sequence verifies its root alone)."""
+    `prefill_budget` prompt tokens in all (first come first served); the others verify a tree. The policy
+    decides whether this round drafts at all (`Policy.should_draft`); without one nobody drafts."""
     out = RoundOutput()
     device = target.device
     clock = time.perf_counter
     running = [s for s in seqs if s.decoding]
-    draft = draft and policy is not None and any(s.wants_draft() for s in running) and policy.should_draft()
-    drafting = [s for s in running if draft and s.wants_draft()]
+    drafting = [s for s in running if s.wants_draft()] if policy is not None else []
+    if drafting and not policy.should_draft():
+        drafting = []
     trees: dict[int, Tree] = {}
     t = clock()
     if drafting:
@@ -101,7 +102,7 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     if not segments:
         return out
     out.packed = row
-    taps = drafter.cfg.target_layer_ids if drafter is not None and any(s.draft for s, *_ in work) else ()
+    taps = next((s.taps for s, *_ in work if s.taps), ())  # the drafter's tapped layers, when anyone drafts
     ids_t = torch.tensor([ids], dtype=torch.long, device=device)
     pos_t = torch.tensor([positions], dtype=torch.long, device=device)
     # every row needs logits in pure verify rounds: skip the gather then
@@ -109,7 +110,7 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     out.host_ms += (clock() - th) * 1e3
 
     tv = clock()
-    logits, feats = target.forward_segments(ids_t, pos_t, segments, rows_t, tuple(taps))
+    logits, feats = target.forward_segments(ids_t, pos_t, segments, rows_t, taps)
     logits = logits[0]
     greedy = logits.argmax(dim=-1).tolist()  # the one device->host sync of the verify step
     out.verify_ms = (clock() - tv) * 1e3

@@ -207,7 +207,7 @@ class RoundWidth:
         self.calibration = calibration
         self.momentum = momentum
         self.lam = init_throughput
-        self._tables: dict[int, np.ndarray] = {}
+        self._tables: dict[tuple[int, int], np.ndarray] = {}  # (prefix bucket, batch size) -> verify table
 
     def _table(self, prefix: int, batch: int) -> np.ndarray:
         bucket = int(2 ** round(math.log2(max(prefix, 16))))  # a few tables per run, not one per round

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -48,6 +49,39 @@ def _draft_shape(drafter, vocab: int, seed: int):
     return L, g, torch.log_softmax(torch.randn(L, vocab, generator=g) * 4, dim=-1)
 
 
+def _verify_call(target, seqs: list[Sequence], tree) -> Callable[[], None]:
+    """One ragged verify forward of `tree` behind every sequence's root, as `run_round` runs it (no commit)."""
+    parts = [s.verify_segment(tree) for s in seqs]
+    ids = torch.cat([pack.ids for pack, _ in parts], dim=1)
+    pos = torch.cat([pack.positions for pack, _ in parts], dim=1)
+    segments = [seg for _, seg in parts]
+    taps = seqs[0].taps
+
+    def verify():
+        logits, _ = target.forward_segments(ids, pos, segments, taps=taps)
+        logits[0].argmax(-1).tolist()  # the host sync decoding pays too
+
+    return verify
+
+
+def _draft_call(target, drafter, seqs: list[Sequence], depth: int, keep: int = 3) -> Callable[[], None]:
+    """One batched drafter pass as a typical round runs it: the context cache is filled once, then every call
+    drafts after `keep` new committed positions (the rest of the context is already cached)."""
+    states = [s.draft for s in seqs]
+    ctx = [st.pending for st in states]
+    ends = [st.cache.length + c.shape[1] for st, c in zip(states, ctx)]
+    roots = [s.root for s in seqs]
+    propose_batch(target, drafter, states, roots, [depth] * len(seqs))  # fill the context caches once
+
+    def draft():
+        for st, c, end in zip(states, ctx, ends):
+            st.cache.length = end - keep
+            st.pending = c[:, -keep:]
+        propose_batch(target, drafter, states, roots, [depth] * len(seqs))
+
+    return draft
+
+
 def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, warmup: int = 2,
           top_k: int = 8, progress: bool = True, seed: int = 0) -> CostProfile:
     target, drafter = engine.target, engine.drafter
@@ -61,32 +95,14 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             prompt = torch.randint(0, V, (P,), generator=g).tolist()
             seq = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), max(packed))
             run_round(target, drafter, [seq], None, prefill_budget=P)
-            taps = seq.taps
             row = []
             for n in packed:
-                tree = build_tree(logprobs, n - 1, top_k)
-                pack = pack_tree(tree, seq.root, P, device)
-
-                def verify():
-                    logits, _ = target(pack.ids, pack.positions, seq.cache, P, mask=pack.mask, taps=taps)
-                    logits[0].argmax(-1).tolist()  # the host sync decoding pays too
-
-                row.append(_median_ms(verify, reps, warmup, device))
+                row.append(_median_ms(_verify_call(target, [seq], build_tree(logprobs, n - 1, top_k)), reps, warmup,
+                                      device))
                 bar.update(1)
             verify_ms.append(row)
-            if seq.draft is not None:
-                ctx = seq.draft.pending
-                keep = 3  # a typical round appends a few committed positions to the drafter's context
-
-                def draft():
-                    seq.draft.cache.length = P - keep
-                    seq.draft.pending = ctx[:, -keep:]
-                    seq.draft.propose(target, seq.root, L)
-
-                seq.draft.propose(target, seq.root, L)  # fill the context cache once
-                draft_ms.append(_median_ms(draft, reps, warmup, device))
-            else:
-                draft_ms.append(0.0)
+            draft_ms.append(_median_ms(_draft_call(target, drafter, [seq], L), reps, warmup, device)
+                            if seq.draft is not None else 0.0)
             bar.update(1)
         host = {}
         cache_seq = Sequence(target, None, [0] * 8, DecodeConfig(method="ar", max_new_tokens=2), max(packed))
@@ -120,35 +136,13 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
             seqs = [Sequence(target, drafter, torch.randint(0, V, (prefix,), generator=g).tolist(), cfg,
                              max(per_request)) for _ in range(B)]
             run_round(target, drafter, seqs, None, prefill_budget=prefix * B)
-            taps = seqs[0].taps
             totals, times = [], []
             for n in per_request:
-                tree = build_tree(logprobs, n - 1, top_k)
-                parts = [s.verify_segment(tree) for s in seqs]
-                ids = torch.cat([pk.ids for pk, _ in parts], dim=1)
-                pos = torch.cat([pk.positions for pk, _ in parts], dim=1)
-                segs = [seg for _, seg in parts]
-
-                def verify():
-                    logits, _ = target.forward_segments(ids, pos, segs, taps=taps)
-                    logits[0].argmax(-1).tolist()
-
                 totals.append(B * n)
-                times.append(_median_ms(verify, reps, warmup, device))
+                times.append(_median_ms(_verify_call(target, seqs, build_tree(logprobs, n - 1, top_k)), reps, warmup,
+                                        device))
                 bar.update(1)
-            draft = 0.0
-            if drafter is not None:
-                states = [s.draft for s in seqs]
-                ctx = [st.pending for st in states]
-                keep = 3
-
-                def draft_pass():
-                    for st, c in zip(states, ctx):
-                        st.cache.length = prefix - keep
-                        st.pending = c[:, -keep:]
-                    propose_batch(target, drafter, states, [s.root for s in seqs], [L] * B)
-
-                draft = _median_ms(draft_pass, reps, warmup, device)
+            draft = _median_ms(_draft_call(target, drafter, seqs, L), reps, warmup, device) if drafter else 0.0
             bar.update(1)
             profile.batch[str(B)] = {"packed": totals, "verify_ms": times, "draft_ms": draft, "prefix": prefix}
     bar.close()

@@ -16,9 +16,9 @@ def cmd_probe(args) -> int:
         prefixes = tuple(int(x) for x in args.prefix_lens.split(","))
         batches = tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else ()
     except ValueError:
-        raise UserError("--packed and --prefix-lens are comma lists of integers") from None
+        raise UserError("--packed, --prefix-lens and --batch-sizes are comma lists of integers") from None
     if min(packed) < 1 or min(prefixes) < 1 or min(batches, default=1) < 1:
-        raise UserError("packed counts and prefix lengths must be >= 1")
+        raise UserError("packed counts, prefix lengths and batch sizes must be >= 1")
     engine = load_engine(args)
     ctx = engine.target.cfg.max_positions
     if max(prefixes) + max(packed) + 2 > ctx:

@@ -25,7 +25,7 @@ import torch
 from .allocate import Policy, make_policy
 from .batch import run_round
 from .config import DecodeConfig
-from .sequence import ContextLengthError, Sequence
+from .sequence import Sequence, check_request
 
 log = logging.getLogger("castspec.scheduler")
 
@@ -135,12 +135,8 @@ class Scheduler:
 
     # -- submission (any thread) -------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
-        ctx = self.target.cfg.max_positions
-        if not request.prompt:
-            raise ValueError("the prompt is empty")
-        if len(request.prompt) + request.cfg.max_new_tokens > ctx:
-            raise ContextLengthError(f"prompt ({len(request.prompt)} tokens) + max_tokens "
-                                     f"({request.cfg.max_new_tokens}) exceeds the model's context of {ctx} tokens")
+        # fail now, in the caller's thread, rather than at admission (the Sequence repeats the check)
+        check_request(request.prompt, request.cfg.max_new_tokens, self.target.cfg.max_positions, "max_tokens")
         with self._lock:
             if self._closed:
                 raise ShuttingDown("the server is shutting down")

@@ -25,6 +25,17 @@ class ContextLengthError(ValueError):
     """Prompt plus requested output would not fit the model's context."""
 
 
+def check_request(prompt: list[int], max_new_tokens: int, max_positions: int,
+                  limit_name: str = "max_new_tokens") -> None:
+    """A request must have a prompt, and prompt + output must fit the context (`limit_name` is the caller's
+    name for the output limit, so the message names the field the user set)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    if len(prompt) + max_new_tokens > max_positions:
+        raise ContextLengthError(f"prompt ({len(prompt)} tokens) + {limit_name} ({max_new_tokens}) exceeds the "
+                                 f"model's context of {max_positions} tokens")
+
+
 class DraftState:
     """The drafter's side of one sequence: its context-only KV cache and the features not yet in it."""
 
@@ -76,12 +87,7 @@ class Sequence:
 
     def __init__(self, target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cfg: DecodeConfig,
                  max_nodes: int = 0):
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        ctx = target.cfg.max_positions
-        if len(prompt) + cfg.max_new_tokens > ctx:
-            raise ContextLengthError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) "
-                                     f"exceeds the model's context of {ctx} tokens")
+        check_request(prompt, cfg.max_new_tokens, target.cfg.max_positions)
         self.target, self.cfg = target, cfg
         self.drafter = drafter if cfg.method != "ar" else None
         L = self.drafter.cfg.num_draft_positions if self.drafter else 0

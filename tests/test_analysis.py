@@ -1,6 +1,5 @@
 """Round logs and replay analyses on a tiny model."""
 import numpy as np
-import torch
 
 from castspec.analysis import analyze, fixed_shape_commit, mass_curves, predicted_widths, replay_commit
 from castspec.config import DecodeConfig
@@ -14,7 +13,7 @@ def collect_tiny(K=6):
     drafter = random_drafter(target, block_size=5, seed=2)
     logs = []
     for prompt in ([1, 2, 3], [4, 5], [7, 7, 8, 9]):
-        rounds, emitted, widths = [], [], []
+        rounds, emitted = [], []
 
         def on_round(logprobs, tree, path, new):
             vals, idx = logprobs.topk(K, -1)

@@ -1,7 +1,6 @@
 """Width rules on synthetic cost tables and mass curves with known answers; the probe; width="auto"."""
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

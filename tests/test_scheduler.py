@@ -10,7 +10,6 @@ from castspec.batch import run_round
 from castspec.config import DecodeConfig
 from castspec.cost import CostProfile, RoundWidth
 from castspec.decode import decode
-from castspec.pack import pack_tree
 from castspec.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from castspec.sequence import Sequence
 from castspec.tree import build_forest, build_tree

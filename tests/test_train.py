@@ -98,7 +98,6 @@ def test_bad_training_input(tiny_data, tmp_path):
 def test_replay_round_matches_greedy_walk():
     from castspec.train.replay import committed_per_round
 
-    V = 5
     logprobs = torch.log_softmax(torch.tensor([[3.0, 2.0, 0, 0, 0], [0, 3.0, 2.0, 0, 0], [0, 0, 3.0, 0, 2.0]]), -1)
     # chain proposes 0,1,2; the target continues 0,1,4,...: chain commits 2 accepted + 1 = 3
     assert committed_per_round(logprobs, [0, 1, 4, 3], None, 2) == 3

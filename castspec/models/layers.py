@@ -110,9 +110,6 @@ class QKVProjection(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return linear(out.to(self.o_proj.weight.dtype), self.o_proj.weight, self.o_proj.bias)
 
-    def attend(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
-        return self.output(self.sdpa(q, k, v, mask, causal))
-
     def attend_segments(self, q, k, v, segments, layer: int) -> torch.Tensor:
         """Ragged attention: consecutive row ranges of q/k/v [B,*,T,d] belong to different caches.
 
