@@ -146,10 +146,23 @@ def test_stop_strings_cut_the_text():
 
 
 def test_concurrent_requests_are_exact_and_disconnects_cancel(engine):
-    app = make_app(engine, max_batch=3)
+    scheduler = engine.scheduler(SchedulerConfig(max_batch=3, policy="shared", width=16), "cast")
+    app = create_app(engine, scheduler, ServerConfig(model_name="tiny"))
     prompts = [[4, 5, 6], [7, 8], [9, 10, 11, 12, 13], [14], [15, 16, 17]]
     tokens = [ar_tokens(engine, p, 24) for p in prompts]
     truth = [engine.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    abandoned = [5, 5]
+    # the abandoned request must still be running when its client leaves: greedy, no EOS within its budget, and
+    # its rounds slowed down, so the test does not race the tiny model against disconnect detection
+    assert len(ar_tokens(engine, abandoned, 200)) == 200
+    plain_round = scheduler._round
+
+    def slow_round(batch):
+        plain_round(batch)
+        if any(r.prompt == abandoned and not r.cancelled for r in batch):
+            time.sleep(0.05)
+
+    scheduler._round = slow_round
     with LiveServer(app) as url:
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -159,7 +172,8 @@ def test_concurrent_requests_are_exact_and_disconnects_cancel(engine):
 
                 async def abandon():
                     async with client.stream("POST", "/v1/completions",
-                                             json={"prompt": [5, 5], "max_tokens": 200, "stream": True}) as r:
+                                             json={"prompt": abandoned, "max_tokens": 200, "temperature": 0,
+                                                   "stream": True}) as r:
                         async for line in r.aiter_lines():
                             if line.startswith("data: "):
                                 break  # the client goes away after the first chunk
