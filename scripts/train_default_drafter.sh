@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-data/smollm2-bf16-greedy}
-RUN=${RUN:-runs/drafter-smollm2-v2}
+RUN=${RUN:-runs/drafter-smollm2-v3}
 STEPS=${STEPS:-1100}
 CLI=.venv/bin/castspec
 

@@ -7,7 +7,8 @@ from castspec.decode import decode
 from castspec.models.load import load_drafter
 from castspec.train.blocks import block_inputs, block_mask, chain_acceptance
 from castspec.train.datagen import batched_generate
-from castspec.train.trainer import TrainConfig, TrainError, train
+from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, drafter_config_for, init_drafter,
+                                    sequence_loss, train)
 from conftest import llama_config, make_hf, native
 
 
@@ -69,6 +70,26 @@ def test_tiny_training_learns_and_decodes_exactly(tiny_data, tmp_path):
             out = [t for c in decode(target, drafter, rec["prompt_ids"], DecodeConfig(method=method, width=15, **cfg))
                    for t in c]
             assert out == ar
+
+
+def test_every_drafter_parameter_gets_a_gradient(tiny_data):
+    # The fused q|k|v and gate|up matrices alias the named Parameters; a forward that used the fused tensor
+    # directly left those Parameters without gradients (they never trained) while the loss still fell.
+    target, records = tiny_data
+    cfg = tiny_config()
+    drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
+    loss, _ = sequence_loss(target, drafter, records[0], cfg, torch.Generator().manual_seed(0),
+                            decay_weights(cfg.block_size - 1, cfg.gamma))
+    loss.backward()
+    missing = [n for n, p in drafter.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, missing
+    with torch.no_grad():  # inference still runs on the fused tensors, which must stay aliased
+        drafter.layers[0].self_attn.k_proj.weight.add_(1.0)
+        drafter.layers[0].mlp.up_proj.weight.add_(1.0)
+    k_rows = slice(target.cfg.num_heads * target.cfg.head_dim, None)
+    assert torch.equal(drafter.layers[0].self_attn.qkv_weight[k_rows][:drafter.layers[0].self_attn.k_proj.weight.shape[0]],
+                       drafter.layers[0].self_attn.k_proj.weight)
+    assert torch.equal(drafter.layers[0].mlp.gate_up_weight.chunk(2)[1], drafter.layers[0].mlp.up_proj.weight)
 
 
 def test_resume_equals_uninterrupted(tiny_data, tmp_path):

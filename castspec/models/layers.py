@@ -22,11 +22,13 @@ class RMSNorm(nn.Module):
 
 def fused_linears(parent: nn.Module, in_features: int, outs: dict[str, int], bias: bool,
                   dtype=None, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Create nn.Linear children named like the HF checkpoint whose weights are views into one fused matrix.
+    """Create nn.Linear children named like the HF checkpoint whose weights (and biases) are views into one
+    fused matrix (and vector).
 
     Loading a checkpoint writes through the views, so the forward can run one GEMM (q|k|v or gate|up)
     instead of several: on CPU each op costs microseconds of dispatch, and a 30-layer decode step is
     otherwise dominated by it. Build the module on its final device/dtype: `.to()` would break the aliasing.
+    The fused tensors are plain tensors, invisible to autograd: forwards take them through `fused_params`.
     """
     total = sum(outs.values())
     weight = torch.empty(total, in_features, dtype=dtype, device=device)
@@ -35,11 +37,25 @@ def fused_linears(parent: nn.Module, in_features: int, outs: dict[str, int], bia
     for name, out in outs.items():
         lin = nn.Linear(in_features, out, bias=False, device="meta")
         lin.weight = nn.Parameter(weight[offset:offset + out])
-        if fused_bias is not None:
+        if bias:
             lin.bias = nn.Parameter(fused_bias[offset:offset + out])
         setattr(parent, name, lin)
         offset += out
     return weight, fused_bias
+
+
+def fused_params(parent: nn.Module, names: tuple[str, ...], weight: torch.Tensor, bias: torch.Tensor | None):
+    """The fused weight and bias for a forward.
+
+    Inference uses the fused tensors as they are (no copy). When gradients are wanted, the fused matrix is
+    rebuilt from the Parameters (one copy per forward), because autograd would otherwise never reach them:
+    the drafters trained before this existed kept their q/k/v and gate/up weights at initialization.
+    """
+    children = [getattr(parent, n) for n in names]
+    if torch.is_grad_enabled() and children[0].weight.requires_grad:
+        return (torch.cat([c.weight for c in children]),
+                None if bias is None else torch.cat([c.bias for c in children]))
+    return weight, bias
 
 
 class MLP(nn.Module):
@@ -50,7 +66,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        w, b = fused_params(self, ("gate_proj", "up_proj"), self.gate_up_weight, self.gate_up_bias)
+        gate, up = linear(x, w, b).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
@@ -72,10 +89,13 @@ class QKVProjection(nn.Module):
             self.q_norm = self.k_norm = None
         self._split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
 
+    def qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return fused_params(self, ("q_proj", "k_proj", "v_proj"), self.qkv_weight, self.qkv_bias)
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B,T,H] -> q [B,h,T,d], k/v [B,kv,T,d] with RoPE applied at the given cos/sin [B,T,d]."""
         B, T, _ = x.shape
-        q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split(self._split, dim=-1)
+        q, k, v = linear(x, *self.qkv()).split(self._split, dim=-1)
         q = q.view(B, T, self.heads, self.head_dim)
         k = k.view(B, T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -87,8 +107,9 @@ class QKVProjection(nn.Module):
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys and values only (the drafter's context rows never ask for queries)."""
         B, T, _ = x.shape
-        kv_w = self.qkv_weight[self._split[0]:]
-        kv_b = None if self.qkv_bias is None else self.qkv_bias[self._split[0]:]
+        w, b = self.qkv()
+        kv_w = w[self._split[0]:]
+        kv_b = None if b is None else b[self._split[0]:]
         k, v = F.linear(x, kv_w, kv_b).split(self._split[1:], dim=-1)
         k = k.view(B, T, self.kv_heads, self.head_dim)
         if self.k_norm is not None:
