@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..cache import KVCache, Segment, cache_dtype
 from ..config import TargetConfig
-from ..kernels import linear
+from ..kernels import WeightPack, linear
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 
 
@@ -42,6 +42,7 @@ class Decoder(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         self.rope = RotaryTable(rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, dtype, device)
+        self._head_pack = WeightPack()
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -64,7 +65,11 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head, in fp32 so argmax ties and softmax are not decided by bf16 rounding."""
-        return linear(self.model.norm(hidden), self.head_weight).float()
+        return self.vocab_scores(self.model.norm(hidden)).float()
+
+    def vocab_scores(self, normed: torch.Tensor) -> torch.Tensor:
+        """lm_head over final-normed rows (the drafter's rows go through it too)."""
+        return linear(normed, self.head_weight, None, self._head_pack)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
                 mask: torch.Tensor | None = None, causal: bool = False,

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..cache import KVCache, cache_dtype
+from ..kernels import WeightPack, linear
 from ..config import DrafterConfig
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 
@@ -71,6 +72,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
         self.rope = RotaryTable(cfg.rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, dtype, device)
+        self._fc_pack = WeightPack()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,7 +91,7 @@ class DFlashDrafter(nn.Module):
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """Tapped target features [B,C,K*H] -> context rows [B,C,H]."""
-        return self.hidden_norm(self.fc(features.to(self.dtype)))
+        return self.hidden_norm(linear(features.to(self.dtype), self.fc.weight, None, self._fc_pack))
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
                 ctx_pos: torch.Tensor, cache: KVCache | None = None, start: int = 0,

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels import linear
+from ..kernels import WeightPack, linear
 
 
 class RMSNorm(nn.Module):
@@ -64,11 +64,12 @@ class MLP(nn.Module):
         self.gate_up_weight, self.gate_up_bias = fused_linears(
             self, hidden, {"gate_proj": inter, "up_proj": inter}, bias, dtype, device)
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
+        self._gate_up_pack, self._down_pack = WeightPack(), WeightPack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = fused_params(self, ("gate_proj", "up_proj"), self.gate_up_weight, self.gate_up_bias)
-        gate, up = linear(x, w, b).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = linear(x, w, b, self._gate_up_pack).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias, self._down_pack)
 
 
 class QKVProjection(nn.Module):
@@ -88,6 +89,7 @@ class QKVProjection(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self._split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        self._qkv_pack, self._kv_pack, self._o_pack = WeightPack(), WeightPack(), WeightPack()
 
     def qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return fused_params(self, ("q_proj", "k_proj", "v_proj"), self.qkv_weight, self.qkv_bias)
@@ -95,7 +97,7 @@ class QKVProjection(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B,T,H] -> q [B,h,T,d], k/v [B,kv,T,d] with RoPE applied at the given cos/sin [B,T,d]."""
         B, T, _ = x.shape
-        q, k, v = linear(x, *self.qkv()).split(self._split, dim=-1)
+        q, k, v = linear(x, *self.qkv(), self._qkv_pack).split(self._split, dim=-1)
         q = q.view(B, T, self.heads, self.head_dim)
         k = k.view(B, T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -110,7 +112,7 @@ class QKVProjection(nn.Module):
         w, b = self.qkv()
         kv_w = w[self._split[0]:]
         kv_b = None if b is None else b[self._split[0]:]
-        k, v = F.linear(x, kv_w, kv_b).split(self._split[1:], dim=-1)
+        k, v = linear(x, kv_w, kv_b, self._kv_pack).split(self._split[1:], dim=-1)
         k = k.view(B, T, self.kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
@@ -129,7 +131,7 @@ class QKVProjection(nn.Module):
         """Attention output [B,h,T,d] -> o_proj over [B,T,h*d]."""
         B, _, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
-        return linear(out.to(self.o_proj.weight.dtype), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.to(self.o_proj.weight.dtype), self.o_proj.weight, self.o_proj.bias, self._o_pack)
 
     def attend_segments(self, q, k, v, segments, layer: int) -> torch.Tensor:
         """Ragged attention: consecutive row ranges of q/k/v [B,*,T,d] belong to different caches.
