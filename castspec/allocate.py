@@ -34,6 +34,9 @@ class Policy:
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
         """Feedback after each round: tokens committed by the whole batch and the round's wall time."""
 
+    def observe(self, tree: Tree, path: list[int]) -> None:
+        """Feedback per verified request: its tree and the accepted pack rows (for calibrating masses)."""
+
 
 class Chain(Policy):
     """Standard DFlash: the top-1 token at every drafted position."""
@@ -136,6 +139,9 @@ class CostAware(Policy):
         trees = build_forest(logprobs, cap * len(logprobs), self.top_k, [cap] * len(logprobs))
         counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes)
         return [t.head(c) for t, c in zip(trees, counts)]
+
+    def observe(self, tree: Tree, path: list[int]) -> None:
+        self.rule.observe(tree, path)
 
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
         if drafted:

@@ -65,11 +65,15 @@ def replay_commit(log: dict, width: int | None, K: int = 8) -> int:
 
 
 def mass_curves(logs: list[dict], max_width: int = 127, K: int = 8) -> dict:
-    """Mean sorted prefix-mass curve rho_(1..N) per domain (Figure 4c) and the empirical hit rate per rank."""
-    by = defaultdict(list)
-    hits = defaultdict(list)
+    """Mean sorted prefix-mass curve rho_(1..N) per domain (Figure 4c), the empirical hit rate per rank, and the
+    curve after recalibrating every node's mass on the acceptance observed in these rounds (cost.Calibration:
+    depth x mass bins, monotone), the masses the rules would read with `calibrate=True` once warmed up."""
+    from .cost import Calibration
+
+    by, hits, nodes_by = defaultdict(list), defaultdict(list), defaultdict(list)
     for log in logs:
         nodes = node_outcomes(log, max_width, K)
+        nodes_by[log["domain"]].append(nodes)
         m = np.zeros(max_width)
         h = np.full(max_width, np.nan)
         for i, (_, _, mass, ok) in enumerate(nodes):
@@ -78,8 +82,22 @@ def mass_curves(logs: list[dict], max_width: int = 127, K: int = 8) -> dict:
         hits[log["domain"]].append(h)
     out = {}
     for d in by:
+        depth_cap = max((n[0] for nodes in nodes_by[d] for n in nodes), default=1)
+        cal = Calibration(depths=depth_cap)
+        for nodes in nodes_by[d]:
+            if nodes:
+                depths, _, masses, ok = zip(*nodes)
+                cal.observe(depths, masses, [float(x) for x in ok])
+        calibrated = []
+        for nodes in nodes_by[d]:
+            c = np.zeros(max_width)
+            if nodes:
+                depths, _, masses, _ = zip(*nodes)
+                c[:len(nodes)] = cal.apply(depths, masses)
+            calibrated.append(np.sort(c)[::-1])  # the rules read a best-first (descending) curve
         out[d] = {"rounds": len(by[d]), "mean_mass": np.mean(by[d], axis=0).tolist(),
-                  "hit_rate": np.nanmean(np.array(hits[d]), axis=0).tolist()}
+                  "hit_rate": np.nanmean(np.array(hits[d]), axis=0).tolist(),
+                  "calibrated_mass": np.mean(calibrated, axis=0).tolist()}
     return out
 
 
@@ -154,4 +172,8 @@ def predicted_widths(curves: dict, profile, prefix: int, max_width: int) -> dict
         m = np.asarray(c["mean_mass"])
         out[d] = {"affine": width_affine(m, profile, prefix, max_width),
                   "table": width_table(m, profile, prefix, max_width)}
+        if "calibrated_mass" in c:
+            cm = np.asarray(c["calibrated_mass"])
+            out[d].update(affine_cal=width_affine(cm, profile, prefix, max_width),
+                          table_cal=width_table(cm, profile, prefix, max_width))
     return out

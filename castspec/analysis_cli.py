@@ -152,8 +152,8 @@ def cmd_sweep(args) -> int:
         profile = probe(engine, progress=False)
         engine.set_cost_profile(profile)
     prompts = builtin_prompts(args.domains.split(","), args.n)
-    methods = [MethodSpec("ar"), MethodSpec("chain"), MethodSpec("cast", "auto")] + [MethodSpec("cast", w)
-                                                                                      for w in widths]
+    methods = [MethodSpec("ar"), MethodSpec("chain"), MethodSpec("cast", "auto"),
+               MethodSpec("cast", "auto", calibrate=True)] + [MethodSpec("cast", w) for w in widths]
     cfg = BenchConfig(methods=methods, resamples=args.resamples)
     cfg.max_new.update({d: args.max_new_tokens for d in ("code", "math", "chat")})
     report = run_bench(engine, prompts, cfg)
@@ -167,7 +167,10 @@ def cmd_sweep(args) -> int:
         oracle = max(speed, key=speed.get)
         nearest = lambda n: min(widths, key=lambda w: abs(w - n))  # noqa: E731
         entry = {"oracle_width": oracle, "oracle_gain_vs_chain": speed[oracle] / chain - 1,
-                 "auto_gain_vs_chain": rows["cast@auto"]["speedup_vs_ar"] / chain - 1}
+                 "auto_gain_vs_chain": rows["cast@auto"]["speedup_vs_ar"] / chain - 1,
+                 "auto_cal_gain_vs_chain": rows["cast@auto+cal"]["speedup_vs_ar"] / chain - 1,
+                 "auto_speedup_vs_ar": rows["cast@auto"]["speedup_vs_ar"],
+                 "chain_speedup_vs_ar": chain}
         for rule, n in predicted.get(d, {}).items():
             entry[f"{rule}_width"] = n
             entry[f"{rule}_gain_vs_chain"] = speed[nearest(n)] / chain - 1

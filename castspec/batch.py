@@ -133,6 +133,8 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
                 out.accepted[id(s)] = len(path)
                 out.trees[id(s)] = tree
                 out.paths[id(s)] = path
+                if policy is not None and len(tree):
+                    policy.observe(tree, path)
         except Exception as e:  # noqa: BLE001 - reported per sequence
             s.done = True
             out.errors[id(s)] = e

@@ -179,6 +179,9 @@ class DecodeConfig:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     verifier: str = "rrs"  # T > 0: "rrs" (proposal-aware, recursive without replacement) or "direct"
+    # width="auto": recalibrate the drafter's masses from the acceptance the engine has observed (depth x mass
+    # bins, monotone) before the per-round rule reads them
+    calibrate: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:

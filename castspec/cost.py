@@ -248,6 +248,14 @@ class RoundWidth:
                 heapq.heappush(heap, (-masses[i][taken[i]], i))
         return taken
 
+    def observe(self, tree, path: list[int]) -> None:
+        """Feed a verified tree's outcome to the calibration (path: accepted pack rows, node i is row i + 1)."""
+        if self.calibration is None or len(tree.scores) == 0:
+            return
+        accepted = np.zeros(len(tree.scores))
+        accepted[[r - 1 for r in path]] = 1.0
+        self.calibration.observe(list(tree.depths), np.exp(np.asarray(tree.scores, dtype=float)), accepted)
+
     def update(self, committed: int, round_ms: float) -> None:
         rate = committed / max(round_ms, 1e-6)
         self.lam = rate if self.lam is None else self.momentum * self.lam + (1 - self.momentum) * rate

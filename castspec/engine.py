@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import DecodeConfig
-from .cost import CostProfile, RoundWidth, profile_path
+from .cost import Calibration, CostProfile, RoundWidth, profile_path
 from .decode import DecodeStats, decode
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
@@ -72,6 +72,8 @@ class Engine:
         self.source = source  # the directory the target's weights came from
         self.drafter_source = drafter_source
         self._profile: CostProfile | None = None
+        # what this engine has learned of its drafter's calibration, shared by the requests that ask for it
+        self._calibration: Calibration | None = None
 
     def cost_profile(self, probe_if_missing: bool = True) -> CostProfile | None:
         """This deployment's verify-cost profile: in memory, else from the cache, else a quick probe (cached)."""
@@ -97,7 +99,13 @@ class Engine:
             return None
         profile = self.cost_profile()
         L = self.drafter.cfg.num_draft_positions
-        return RoundWidth(profile, min(profile.max_width, universe_size(L, cfg.top_k_per_position)))
+        calibration = None
+        if cfg.calibrate:
+            if self._calibration is None:
+                self._calibration = Calibration(depths=L)
+            calibration = self._calibration
+        return RoundWidth(profile, min(profile.max_width, universe_size(L, cfg.top_k_per_position)),
+                          calibration=calibration)
 
     def scheduler(self, cfg=None, method: str = "cast"):
         """A continuous-batching scheduler over this engine's models (the cost policy uses the cost profile)."""
@@ -163,10 +171,11 @@ class Engine:
                  input_ids: list[int] | None = None, max_new_tokens: int = 256, method: str = "cast",
                  width: int | str = "auto", top_k_per_position: int = 8, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, verifier: str = "rrs",
-                 chat_template_kwargs: dict | None = None) -> GenerateResult:
+                 calibrate: bool = False, chat_template_kwargs: dict | None = None) -> GenerateResult:
         stats = DecodeStats()
         kw = dict(max_new_tokens=max_new_tokens, method=method, width=width, top_k_per_position=top_k_per_position,
-                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, verifier=verifier)
+                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, verifier=verifier,
+                  calibrate=calibrate)
         tokens = [t for chunk in self.stream(prompt, messages, input_ids, stats=stats,
                                              chat_template_kwargs=chat_template_kwargs, **kw) for t in chunk]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -52,3 +52,10 @@ def test_curves_analyses_and_widths():
     prof = CostProfile({}, [1, 2, 4, 8, 16, 32], [64], [[10, 10, 10, 10, 12, 30]], [1.0], {})
     w = predicted_widths(curves, prof, 64, 31)["d"]
     assert 0 <= w["table"] <= 31 and 0 <= w["affine"] <= 31
+    # recalibrated on the observed acceptance: a random drafter's masses are badly off, the calibrated ones
+    # land nearer the realized hit rates
+    cal = np.asarray(curves["d"]["calibrated_mass"])
+    hit = np.nan_to_num(np.asarray(curves["d"]["hit_rate"]))
+    assert cal.shape == m.shape and np.all(np.diff(cal) <= 1e-12) and np.all((cal >= 0) & (cal <= 1))
+    assert abs(cal.sum() - hit.sum()) < abs(m.sum() - hit.sum())
+    assert 0 <= w["table_cal"] <= 31 and 0 <= w["affine_cal"] <= 31

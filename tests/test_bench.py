@@ -81,3 +81,13 @@ def test_hub_domains_fail_clearly_offline(monkeypatch):
         builtin_prompts(["poetry"], 2)
     math = builtin_prompts(["math"], 3)  # falls back to the held-out templated problems
     assert len(math) == 3 and all(p.domain == "math" for p in math)
+
+
+def test_method_specs():
+    from castspec.bench.harness import MethodSpec
+
+    assert MethodSpec.parse("cast:auto+cal") == MethodSpec("cast", "auto", calibrate=True)
+    assert MethodSpec.parse("cast:auto+cal").label == "cast@auto+cal"
+    assert MethodSpec.parse("cast:7").label == "cast@7" and MethodSpec.parse("cast").width == "auto"
+    with pytest.raises(ValueError):
+        MethodSpec.parse("beam")

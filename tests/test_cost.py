@@ -121,6 +121,11 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     stats = DecodeStats()
     out = [t for c in decode(target, drafter, [1, 2, 3], cfg, stats, rule) for t in c]
     assert out == ar and max(r.packed for r in stats.rounds) <= 15
+    # recalibrated masses: still exact, and the engine keeps what it observed for the next requests
+    cal_cfg = DecodeConfig(method="cast", width="auto", top_k_per_position=2, max_new_tokens=30, calibrate=True)
+    out = [t for c in decode(target, drafter, [1, 2, 3], cal_cfg, None, engine.width_rule(cal_cfg)) for t in c]
+    assert out == ar and engine._calibration.trials.sum() > 0
+    assert engine.width_rule(cal_cfg).calibration is engine._calibration
     # a missing profile is probed once and cached for this deployment
     engine._profile = None
     assert engine.cost_profile() is not None and list(tmp_path.glob("profiles/*.json"))

@@ -62,7 +62,7 @@ def register(sub) -> None:
                    "through datasets: gsm8k, math500, mbpp")
     p.add_argument("--prompts", default=None, help="JSONL of {domain, prompt|messages|input_ids} instead")
     p.add_argument("--n", type=int, default=40, help="first n prompts per domain, in dataset order")
-    p.add_argument("--methods", default="ar,chain,cast:auto", help="comma list: ar, chain, cast[:N|:auto], hf, hf-pld")
+    p.add_argument("--methods", default="ar,chain,cast:auto", help="comma list: ar, chain, cast[:N|:auto|:auto+cal], hf, hf-pld")
     p.add_argument("--sweep", default="", help="also run cast at these widths, e.g. 1,3,7,15,31,63")
     p.add_argument("--max-new-tokens", default="256", help="N or per domain: code=256,chat=128")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -34,18 +34,21 @@ class BenchPrompt:
 class MethodSpec:
     name: str  # ar | chain | cast | hf | hf-pld
     width: int | str | None = None
+    calibrate: bool = False  # cast:auto+cal: the per-round rule on recalibrated masses
 
     @property
     def label(self) -> str:
-        return f"cast@{self.width}" if self.name == "cast" else self.name
+        return f"cast@{self.width}{'+cal' if self.calibrate else ''}" if self.name == "cast" else self.name
 
     @staticmethod
     def parse(text: str) -> "MethodSpec":
         name, _, width = text.partition(":")
         if name not in ("ar", "chain", "cast", "hf", "hf-pld"):
-            raise ValueError(f"unknown method {text!r}; use ar, chain, cast[:N|:auto], hf, hf-pld")
+            raise ValueError(f"unknown method {text!r}; use ar, chain, cast[:N|:auto|:auto+cal], hf, hf-pld")
         if name == "cast":
             w = width or "auto"
+            if w == "auto+cal":
+                return MethodSpec("cast", "auto", calibrate=True)
             return MethodSpec("cast", w if w == "auto" else int(w))
         return MethodSpec(name)
 
@@ -169,7 +172,7 @@ def run_ours(engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperature
     t0 = time.perf_counter()
     r = engine.generate(messages=p.messages, input_ids=p.input_ids, method=spec.name,
                         width=spec.width or "auto", max_new_tokens=max_new, temperature=temperature, seed=seed,
-                        chat_template_kwargs=NO_THINKING)
+                        calibrate=spec.calibrate, chat_template_kwargs=NO_THINKING)
     e2e = (time.perf_counter() - t0) * 1e3
     s = r.stats
     return Run(p, spec.label, seed, r.token_ids, s.decode_ms, e2e, s.num_rounds,
