@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from .cost import CostProfile, profile_key
+from .kernels import packing_available
 from .batch import run_round, synchronize
 from .config import DecodeConfig
 from .sequence import Sequence, propose_batch
@@ -38,6 +39,8 @@ def _median_ms(fn, reps: int, warmup: int, device) -> float:
 def engine_key(engine) -> dict:
     dev = engine.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{torch.get_num_threads()}t"
+    if dev.type == "cpu" and packing_available():
+        name += "-packed"  # the packed linears changed every cost: profiles measured without them are stale
     drafter = engine.drafter_source or "none"
     return profile_key(f"{dev.type}:{name}", str(engine.dtype).replace("torch.", ""), str(engine.source), drafter)
 

@@ -92,6 +92,21 @@ def test_every_drafter_parameter_gets_a_gradient(tiny_data):
     assert torch.equal(drafter.layers[0].mlp.gate_up_weight.chunk(2)[1], drafter.layers[0].mlp.up_proj.weight)
 
 
+def test_scaled_fc_init_evens_out_feature_sizes(tiny_data):
+    from castspec.train.trainer import scale_fc_init, target_features
+
+    target, records = tiny_data
+    cfg = tiny_config()
+    drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
+    before = drafter.fc.weight.detach().clone()
+    scale_fc_init(target, drafter, records[:4], 64)
+    feats = torch.cat([target_features(target, torch.tensor(r["prompt_ids"] + r["response_ids"]),
+                                       drafter.cfg.target_layer_ids)[0, 1:] for r in records[:4]])
+    rms = feats.float().pow(2).mean(0).sqrt()
+    ratio = drafter.fc.weight[0] / before[0]
+    torch.testing.assert_close(ratio * rms, torch.full_like(rms, rms.median().item()), rtol=1e-4, atol=1e-4)
+
+
 def test_resume_equals_uninterrupted(tiny_data, tmp_path):
     target, records = tiny_data
     cfg = tiny_config(steps=20, checkpoint_every=10)

@@ -60,6 +60,10 @@ def register(sub) -> None:
     t.add_argument("--export-every", type=int, default=500)
     t.add_argument("--norm-init", choices=("target", "small"), default="target",
                    help="final norm at start: the target's (default) or small (near-flat first logits)")
+    t.add_argument("--taps", default="", help="target layers whose outputs feed the drafter, e.g. 1,14,29 "
+                   "(default: 3 spread over layers 1..N-3, the public convention)")
+    t.add_argument("--fc-init", choices=("plain", "scaled"), default="plain",
+                   help="fc at start: isotropic (default) or its columns scaled to the tapped features' sizes")
     t.add_argument("--init-from", default=None, help="warm start from this drafter directory (same shapes)")
     t.add_argument("--init-from-target", action="store_true",
                    help="start the drafter layers from the target's last layers")
@@ -77,6 +81,15 @@ def register(sub) -> None:
     e.add_argument("--widths", default="15,31,63")
     e.add_argument("--out", default=None, help="also write the JSON here")
     e.set_defaults(func=cmd_eval_drafter)
+
+
+def _tap_list(text: str) -> list[int]:
+    from ..cli import UserError
+
+    try:
+        return [int(x) for x in text.split(",")] if text.strip() else []
+    except ValueError:
+        raise UserError(f"--taps must be comma-separated layer numbers, got {text!r}") from None
 
 
 def cmd_train_drafter(args) -> int:
@@ -106,7 +119,8 @@ def cmd_train_drafter(args) -> int:
                       block_size=args.block_size, num_layers=args.layers, lr=args.lr, seed=args.seed,
                       mask_token_id=args.mask_token_id, bf16=args.dtype == "bf16",
                       checkpoint_every=args.checkpoint_every, export_every=args.export_every,
-                      norm_init=args.norm_init, init_from=args.init_from, init_from_target=args.init_from_target)
+                      norm_init=args.norm_init, init_from=args.init_from, init_from_target=args.init_from_target,
+                      fc_init=args.fc_init, tap_layers=_tap_list(args.taps))
     from transformers import AutoConfig
 
     rope = rope_parameters_of(AutoConfig.from_pretrained(loaded.source))

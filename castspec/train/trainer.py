@@ -56,6 +56,9 @@ class TrainConfig:
     # lm_head, like its last hidden states); "small" starts near-flat logits (slow: Adam grows it ~lr per step)
     norm_init: str = "target"
     init_from: str | None = None  # warm start: an existing drafter directory with the same shapes
+    # fc at start: "scaled" divides each input column by the typical size of that tapped feature (measured on
+    # a few training sequences), so the few huge dimensions of the target's hidden states do not drown the rest
+    fc_init: str = "plain"
     checkpoint_every: int = 100
     export_every: int = 500
     tap_layers: list[int] = field(default_factory=list)
@@ -102,6 +105,27 @@ def init_drafter(target: Decoder, dcfg: DrafterConfig, from_target: bool, seed: 
             spread = target.head_weight.float().std().item() * dcfg.hidden_size ** 0.5
             d.norm.weight.fill_(0.1 / max(spread, 1e-6))
     return d
+
+
+def scale_fc_init(target: Decoder, drafter: DFlashDrafter, records: list[dict], max_len: int) -> None:
+    """Divide fc's input columns by the RMS of each tapped feature over `records` (relative to the median).
+
+    The target's hidden states carry a few dimensions hundreds of times larger than the rest (and later taps
+    are ~10x larger than early ones); with an isotropic fc, those dimensions dominate every fused context row,
+    the rows all look alike after hidden_norm, and the drafter starts blind to the context. Same layout, only
+    the starting point changes.
+    """
+    sq, n = None, 0
+    for r in records:
+        tokens = torch.tensor((r["prompt_ids"] + r["response_ids"])[:max_len])
+        f = target_features(target, tokens, drafter.cfg.target_layer_ids)[0, 1:].float()  # skip the sink row
+        sq = f.pow(2).sum(0) if sq is None else sq + f.pow(2).sum(0)
+        n += f.shape[0]
+    if not n:
+        return
+    rms = (sq / n).sqrt().clamp_min(1e-6)
+    with torch.no_grad():
+        drafter.fc.weight.mul_((rms.median() / rms).view(1, -1))
 
 
 def warm_start(drafter: DFlashDrafter, path: Path) -> None:
@@ -210,6 +234,8 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
             raise TrainError(f"data token ids exceed the target vocabulary ({vocab}): data made for another target?")
     dcfg = drafter_config_for(target, cfg, rope)
     drafter = init_drafter(target, dcfg, cfg.init_from_target, cfg.seed, cfg.norm_init)
+    if cfg.fc_init == "scaled":
+        scale_fc_init(target, drafter, records[:16], cfg.max_seq_len)
     if cfg.init_from:
         warm_start(drafter, Path(cfg.init_from))
     trainable = [p for p in drafter.parameters()]

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every measurement the README quotes, in one run on one machine (about 40 minutes on 2 CPU cores).
+# Results land in docs/results/; the machine is noisy, so compare ratios within one run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+C=.venv/bin/castspec
+PY=.venv/bin/python
+DRAFTER=castspec/assets/drafter-smollm2-135m
+# held-out R of the shipped drafter (chain and cast at N = 15/31/63, per domain)
+$C eval-drafter --drafter "$DRAFTER" --per-domain 4 --max-new-tokens 96 --out docs/results/eval-drafter.json
+# verify / draft / host costs, single and batched; also stored as this deployment's profile for width="auto"
+$C probe --packed 1,2,4,8,16,24,32,48,64 --prefix-lens 128,512 --batch-sizes 2,4,8,16 --reps 3 --warmup 1 \
+    --out docs/results/probe-batched.json --plot docs/results/probe-batched.png
+# ar vs transformers per dtype, the weight-bandwidth floor, host share at N = 63
+$PY -m castspec.bench.engine --out docs/results/engine.json
+# end to end: ar, chain, cast (auto, auto + calibration, fixed), transformers
+$C bench --n 5 --max-new-tokens 96 --methods ar,chain,cast:auto,cast:auto+cal,cast:7,cast:15,hf \
+    --out docs/results/bench
+# width sweep vs the rules' predicted widths
+$C sweep --n 2 --max-new-tokens 96 --widths 1,3,7,15,31,63 --resamples 500 --out docs/results/sweep
+# serving: allocation policies under fixed concurrency
+$C loadtest --policies ar,chain,fixed:3,fixed:7,shared:16,cost --concurrency 1,4,8,16 --requests 16 \
+    --max-tokens 48 --out docs/results/loadtest
