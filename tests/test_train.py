@@ -152,6 +152,10 @@ def test_replay_r_runs_on_a_trained_drafter(tiny_data, tmp_path):
     r = replay_r(target, drafter, [dict(r, domain="x") for r in records[:4]], widths=(3, 15), top_k=4)
     # best-first trees are nested, so a wider one never commits less; every round commits at least one token
     assert r["chain"]["x"] >= 1.0 and 1.0 <= r["cast@3"]["x"] <= r["cast@15"]["x"] + 1e-9
+    # the chain accepts position 1 exactly when its top-1 is right, and never more than every position's hits
+    acc = r["top1_accuracy_by_position"]
+    assert len(acc) == drafter.cfg.num_draft_positions
+    assert acc[0] - 1e-9 <= r["chain"]["x"] - 1 <= sum(acc) + 1e-9
 
 
 def test_initialization_options_and_warm_start(tiny_data, tmp_path):

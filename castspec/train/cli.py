@@ -58,8 +58,8 @@ def register(sub) -> None:
     t.add_argument("--mask-token-id", type=int, default=16, help="default: <empty_output> of SmolLM2")
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--export-every", type=int, default=500)
-    t.add_argument("--norm-init", choices=("target", "small"), default="target",
-                   help="final norm at start: the target's (default) or small (near-flat first logits)")
+    t.add_argument("--norm-init", choices=("target", "small", "ones"), default="target",
+                   help="final norm at start: the target's (default), small (near-flat first logits) or ones")
     t.add_argument("--taps", default="", help="target layers whose outputs feed the drafter, e.g. 1,14,29 "
                    "(default: 3 spread over layers 1..N-3, the public convention)")
     t.add_argument("--fc-init", choices=("plain", "scaled"), default="plain",

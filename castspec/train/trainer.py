@@ -99,6 +99,8 @@ def init_drafter(target: Decoder, dcfg: DrafterConfig, from_target: bool, seed: 
             # start (below) caps the logit scale for ~1/lr steps; the first shipped drafter lost most of its
             # 750 steps to that (its norm grew from 0.03 to 0.29; the target's is 1.8).
             d.norm.weight.copy_(target.model.norm.weight.float())
+        elif norm_init == "ones":
+            pass  # RMSNorm's own default, as the public (SpecForge) recipe starts
         else:
             # At step 0 a block row is little more than its input embedding, which the tied lm_head scores
             # against itself: a small norm keeps the first logits nearly flat (spread ~0.1)
