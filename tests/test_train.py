@@ -180,3 +180,30 @@ def test_initialization_options_and_warm_start(tiny_data, tmp_path):
     with pytest.raises(TrainError, match="cannot warm-start"):
         train(target, records, tmp_path / "c", tiny_config(steps=1, num_layers=3, init_from=str(tmp_path / "a" / "drafter")),
               ROPE, progress=False)
+
+
+def test_ngram_baselines_known_answer():
+    from castspec.train.diagnose import ngram_baselines
+
+    train = [{"prompt_ids": [9], "response_ids": [1, 2, 3, 1, 2, 3, 1, 2]}]
+    test = [{"prompt_ids": [9], "response_ids": [1, 2, 3, 1]}]
+    out = ngram_baselines(train, test)
+    # unigram: 1 (ties go to the first seen) hits 2 of 4; every bigram and trigram context of the test was seen
+    assert out["unigram"] == 0.5 and out["bigram"] == 1.0 and out["trigram"] == 1.0
+
+
+def test_diagnose_drafter(tiny_data, tmp_path, capsys):
+    from castspec.cli import main
+    from castspec.train.diagnose import diagnose
+
+    target, records = tiny_data
+    train(target, records, tmp_path / "run", tiny_config(steps=4), ROPE, progress=False)
+    drafter = load_drafter(tmp_path / "run" / "drafter", target, dtype=torch.float32)
+    with torch.inference_mode():
+        report = diagnose(target, drafter, records, test_records=6)
+    assert report["test_records"] == 6 and set(report["ngram_top1"]) == {"unigram", "bigram", "trigram"}
+    acc = report["drafter_top1_by_position"]
+    assert len(acc) == drafter.cfg.num_draft_positions and all(0 <= a <= 1 for a in acc)
+    assert report["replay_R"]["chain"] >= 1.0
+    assert main(["diagnose-drafter", "--data", str(tmp_path / "nothing"), "--drafter", "x"]) == 2
+    assert "no training data" in capsys.readouterr().err

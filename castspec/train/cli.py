@@ -72,6 +72,18 @@ def register(sub) -> None:
     _add_datagen_args(t)
     t.set_defaults(func=cmd_train_drafter)
 
+    g = sub.add_parser("diagnose-drafter", help="teacher-forced accuracy per block position vs n-gram baselines",
+                       description="On records of a make-data dataset: the drafter's top-1 accuracy at each block "
+                                   "position and the top-1 accuracy of unigram/bigram/trigram tables counted on "
+                                   "the other records (JSON).")
+    g.add_argument("--data", required=True, help="dataset directory from make-data")
+    g.add_argument("--drafter", required=True)
+    g.add_argument("--target", default=None)
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    g.add_argument("--test-records", type=int, default=200)
+    g.add_argument("--out", default=None)
+    g.set_defaults(func=cmd_diagnose_drafter)
+
     e = sub.add_parser("eval-drafter", help="R of chain and cast on the held-out prompts, per domain (JSON)")
     e.add_argument("--drafter", required=True)
     e.add_argument("--target", default=None)
@@ -189,6 +201,30 @@ def _make_data(args, loaded) -> dict:
         raise UserError(f"--part must look like 0/2 (this process's index / number of processes), got {args.part!r}")
     return generate_dataset(loaded.model, loaded.tokenizer, prompts, Path(args.out_data), cfg, stop,
                             args.limit_tokens, part=(i, n))
+
+
+def cmd_diagnose_drafter(args) -> int:
+    import torch
+
+    from ..cli import UserError
+    from ..engine import DTYPES
+    from ..models.load import load_drafter, load_target
+    from .datagen import load_records
+    from .diagnose import diagnose
+
+    data = Path(args.data)
+    if not data.is_dir() or not any((data / "shards").glob("shard-*.pt")):
+        raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` first")
+    loaded = load_target(args.target, dtype=DTYPES[args.dtype])
+    drafter = load_drafter(Path(args.drafter), loaded.model)
+    with torch.inference_mode():
+        report = diagnose(loaded.model, drafter, load_records(data), args.test_records)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
 
 
 def cmd_eval_drafter(args) -> int:
