@@ -129,7 +129,13 @@ class CostAware(Policy):
         return min(self.rule.max_width, universe_size(depth, self.top_k))
 
     def should_draft(self) -> bool:
-        if self.rule.lam is None or self.rule.lam >= self._plain_rate():
+        if self.rule.lam is None:
+            return True
+        if self.plain_rate is None:
+            # measure one plain round as soon as one drafted round has: until then the plain rate is the
+            # profile's guess, and a profile probed on a busy machine would otherwise keep a losing draft forever
+            return False
+        if self.rule.lam >= self._plain_rate():
             return True
         return self.skipped + 1 >= self.explore_every
 

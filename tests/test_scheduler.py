@@ -226,3 +226,14 @@ def test_cost_policy_stops_drafting_when_plain_rounds_are_faster():
     policy.update(12, 40.0)  # the drafter starts paying: 0.3 tokens/ms (EMA crosses 0.1)
     policy.update(12, 40.0)
     assert policy.should_draft() and policy.explore_every == 4
+
+
+def test_cost_policy_measures_a_plain_round_before_trusting_the_profile():
+    # a profile probed on a busy machine: plain steps look 10x slower than they are
+    slow = CostProfile({}, [1, 2, 4], [0, 1024], [[100.0, 100.0, 100.0]] * 2, [1.0, 1.0])
+    policy = CostAware(RoundWidth(slow, 15, init_throughput=None), explore_every=4)
+    assert policy.should_draft()
+    policy.update(2, 40.0)  # 0.05 tokens/ms: better than the profile's plain guess (0.01), worse than reality
+    assert not policy.should_draft()  # so one plain round is measured before the guess is trusted
+    policy.update(1, 10.0, drafted=False)  # 0.1 tokens/ms
+    assert [policy.should_draft() or policy.update(1, 10.0, drafted=False) for _ in range(2)] == [None] * 2
