@@ -203,6 +203,16 @@ def _make_data(args, loaded) -> dict:
                             args.limit_tokens, part=(i, n))
 
 
+def _report(report: dict, out: str | None) -> int:
+    """Print the JSON report (and write it to `out` when given)."""
+    text = json.dumps(report, indent=2)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    print(text)
+    return 0
+
+
 def cmd_diagnose_drafter(args) -> int:
     import torch
 
@@ -219,12 +229,7 @@ def cmd_diagnose_drafter(args) -> int:
     drafter = load_drafter(Path(args.drafter), loaded.model)
     with torch.inference_mode():
         report = diagnose(loaded.model, drafter, load_records(data), args.test_records)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return _report(report, args.out)
 
 
 def cmd_eval_drafter(args) -> int:
@@ -238,12 +243,7 @@ def cmd_eval_drafter(args) -> int:
         raise UserError("no drafter to evaluate: pass --drafter DIR")
     report = evaluate_drafter(engine, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
                               widths=[int(w) for w in args.widths.split(",")])
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    print(text)
-    return 0
+    return _report(report, args.out)
 
 
 def _add_datagen_args(p) -> None:
