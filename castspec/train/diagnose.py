@@ -10,20 +10,23 @@ from collections import Counter, defaultdict
 def ngram_baselines(train: list[dict], test: list[dict], orders=(1, 2, 3)) -> dict:
     """Top-1 accuracy on `test` responses of "the most frequent next token after the previous n-1 tokens",
     counted on `train` responses (a context never seen counts as a miss)."""
+    def events(records: list[dict], n: int):
+        """(previous n-1 tokens, next token) for every response token (the prompt's tail gives the first context)."""
+        for r in records:
+            t = r["prompt_ids"][-(n - 1):] + r["response_ids"] if n > 1 else r["response_ids"]
+            for i in range(n - 1, len(t)):
+                yield tuple(t[i - n + 1:i]), t[i]
+
     out = {}
     for n in orders:
         counts: dict[tuple, Counter] = defaultdict(Counter)
-        for r in train:
-            t = r["prompt_ids"][-(n - 1):] + r["response_ids"] if n > 1 else r["response_ids"]
-            for i in range(n - 1, len(t)):
-                counts[tuple(t[i - n + 1:i])][t[i]] += 1
+        for context, nxt in events(train, n):
+            counts[context][nxt] += 1
         best = {k: c.most_common(1)[0][0] for k, c in counts.items()}
         hits = total = 0
-        for r in test:
-            t = r["prompt_ids"][-(n - 1):] + r["response_ids"] if n > 1 else r["response_ids"]
-            for i in range(n - 1, len(t)):
-                total += 1
-                hits += best.get(tuple(t[i - n + 1:i])) == t[i]
+        for context, nxt in events(test, n):
+            total += 1
+            hits += best.get(context) == nxt
         out[{1: "unigram", 2: "bigram", 3: "trigram"}.get(n, f"{n}-gram")] = hits / max(total, 1)
     return out
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 
 from ..analysis import replay_commit
 from ..models.decoder import Decoder
@@ -47,7 +46,7 @@ def replay_r(target: Decoder, drafter: DFlashDrafter, records: list[dict], width
         mask = block_mask(anchors, T, bs).view(1, 1, -1, T + ids.numel())
         hidden = drafter(target.embed(ids.view(1, -1)), pos.view(1, -1), feats, torch.arange(T).view(1, -1),
                          mask=mask).view(anchors.numel(), bs, -1)[:, 1:]
-        logprobs = torch.log_softmax(F.linear(hidden, target.head_weight).float(), dim=-1)
+        logprobs = torch.log_softmax(target.vocab_scores(hidden.to(target.dtype)).float(), dim=-1)
         pred = logprobs.argmax(-1)
         for b, a in enumerate(anchors.tolist()):
             labels = tokens[a + 1:a + 1 + L]
