@@ -5,25 +5,46 @@ import torch
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.models.load import load_drafter
-from castspec.train.blocks import block_inputs, block_mask, chain_acceptance
+from castspec.train.blocks import (block_inputs, block_mask, chain_acceptance, parse_window_schedule,
+                                   window_at)
 from castspec.train.datagen import batched_generate
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, drafter_config_for, init_drafter,
                                     sequence_loss, train)
 from conftest import llama_config, make_hf, native
 
 
-def test_block_mask_matches_brute_force():
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_block_mask_matches_brute_force(window):
     anchors = torch.tensor([3, 4, 9])
     T, bs = 12, 4
-    m = block_mask(anchors, T, bs)
+    m = block_mask(anchors, T, bs, window)
     for q in range(len(anchors) * bs):
         blk = q // bs
         for k in range(T + len(anchors) * bs):
             if k < T:
-                expect = k < int(anchors[blk])
+                a = int(anchors[blk])
+                expect = k < a and (window == 0 or k >= a - window)
             else:
                 expect = (k - T) // bs == blk
             assert bool(m[q, k]) == expect, (q, k)
+
+
+def test_window_schedule():
+    sched = parse_window_schedule("8:200, 64:400")
+    assert sched == [(8, 200), (64, 400)]
+    assert [window_at(sched, s) for s in (0, 199, 200, 399, 400, 10_000)] == [8, 8, 64, 64, 0, 0]
+    assert parse_window_schedule("") == []
+    for bad in ("8", "8:x", "0:10", "8:200,64:100"):
+        with pytest.raises(ValueError):
+            parse_window_schedule(bad)
+
+
+def test_bad_context_window_is_a_one_line_error(tmp_path, capsys):
+    from castspec.cli import main
+
+    assert main(["train-drafter", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+                 "--context-window", "8"]) == 2
+    assert "--context-window" in capsys.readouterr().err
 
 
 def test_block_inputs_and_acceptance():
@@ -109,7 +130,7 @@ def test_scaled_fc_init_evens_out_feature_sizes(tiny_data):
 
 def test_resume_equals_uninterrupted(tiny_data, tmp_path):
     target, records = tiny_data
-    cfg = tiny_config(steps=20, checkpoint_every=10)
+    cfg = tiny_config(steps=20, checkpoint_every=10, context_windows="2:5,4:15")  # the curriculum spans the split
     train(target, records, tmp_path / "full", cfg, ROPE, progress=False)
     train(target, records, tmp_path / "split", cfg, ROPE, progress=False, stop_after=10)
     train(target, records, tmp_path / "split", cfg, ROPE, progress=False)  # resumes at step 10

@@ -13,15 +13,21 @@ def sample_anchors(first: int, last: int, count: int, generator: torch.Generator
     return (pick + first).sort().values
 
 
-def block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+def block_mask(anchors: torch.Tensor, context_len: int, block_size: int, window: int = 0) -> torch.Tensor:
     """bool [Q, context_len + Q] for Q = len(anchors) * block_size query rows (True = may attend).
 
     Block i sees context positions strictly before its anchor and all rows of its own block, never other blocks.
+    `window` > 0 keeps only the last `window` context positions before each anchor (a training curriculum;
+    decoding always shows the whole context).
     """
     nb = anchors.numel()
     q = nb * block_size
     block_of_row = torch.arange(q) // block_size
-    ctx = torch.arange(context_len).view(1, -1) < anchors[block_of_row].view(-1, 1)
+    anchor_of_row = anchors[block_of_row].view(-1, 1)
+    pos = torch.arange(context_len).view(1, -1)
+    ctx = pos < anchor_of_row
+    if window > 0:
+        ctx &= pos >= anchor_of_row - window
     own = block_of_row.view(-1, 1) == block_of_row.view(1, -1)
     return torch.cat([ctx, own], dim=1)
 
@@ -51,3 +57,26 @@ def chain_acceptance(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per block: 1 + the number of leading positions where the top-1 prediction equals the label."""
     hit = (pred == labels) & (labels >= 0)
     return 1 + hit.long().cumprod(dim=1).sum(dim=1)
+
+
+def parse_window_schedule(text: str) -> list[tuple[int, int]]:
+    """"8:200,64:400" -> [(8, 200), (64, 400)]: context window 8 before step 200, 64 before 400, then all."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            window, until = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise ValueError(f"bad context-window schedule entry {part!r}: expected WINDOW:UNTIL_STEP") from None
+        if window <= 0 or until <= 0 or (out and until <= out[-1][1]):
+            raise ValueError(f"bad context-window schedule {text!r}: windows and steps must be positive, "
+                             "steps increasing")
+        out.append((window, until))
+    return out
+
+
+def window_at(schedule: list[tuple[int, int]], step: int) -> int:
+    """The context window in force at `step` (0 = the whole context)."""
+    for window, until in schedule:
+        if step < until:
+            return window
+    return 0

@@ -67,6 +67,9 @@ def register(sub) -> None:
     t.add_argument("--init-from", default=None, help="warm start from this drafter directory (same shapes)")
     t.add_argument("--init-from-target", action="store_true",
                    help="start the drafter layers from the target's last layers")
+    t.add_argument("--context-window", default="", metavar="W:STEP,...",
+                   help="curriculum: blocks see only the last W context rows until STEP, e.g. 8:200,64:400 "
+                   "(then the whole context, as in decoding); default: whole context from the start")
     t.add_argument("--eval-per-domain", type=int, default=10,
                    help="held-out prompts per domain for the replay R written to OUT/curve.json at each export")
     _add_datagen_args(t)
@@ -113,6 +116,12 @@ def cmd_train_drafter(args) -> int:
     from .datagen import load_records
     from .trainer import TrainConfig, TrainError, train
 
+    from .blocks import parse_window_schedule
+
+    try:
+        parse_window_schedule(args.context_window)
+    except ValueError as e:
+        raise UserError(f"--context-window: {e}") from None
     out = _writable_dir(args.out)
     data = Path(args.data)
     if args.threads:
@@ -132,7 +141,7 @@ def cmd_train_drafter(args) -> int:
                       mask_token_id=args.mask_token_id, bf16=args.dtype == "bf16",
                       checkpoint_every=args.checkpoint_every, export_every=args.export_every,
                       norm_init=args.norm_init, init_from=args.init_from, init_from_target=args.init_from_target,
-                      fc_init=args.fc_init, tap_layers=_tap_list(args.taps))
+                      fc_init=args.fc_init, tap_layers=_tap_list(args.taps), context_windows=args.context_window)
     from transformers import AutoConfig
 
     rope = rope_parameters_of(AutoConfig.from_pretrained(loaded.source))

@@ -25,7 +25,8 @@ from ..config import DrafterConfig, default_tap_layers
 from ..models.decoder import Decoder
 from ..models.dflash import DFlashDrafter
 from ..models.load import save_drafter
-from .blocks import block_inputs, block_mask, chain_acceptance, decay_weights, sample_anchors
+from .blocks import (block_inputs, block_mask, chain_acceptance, decay_weights, parse_window_schedule,
+                     sample_anchors, window_at)
 
 log = logging.getLogger("castspec")
 
@@ -62,6 +63,10 @@ class TrainConfig:
     checkpoint_every: int = 100
     export_every: int = 500
     tap_layers: list[int] = field(default_factory=list)
+    # curriculum "W:STEP,...": blocks see only the last W context rows until STEP. With the whole context from
+    # step 0, a block row's attention starts spread over hundreds of context rows, so the root and the last
+    # rows (what predicts the next tokens) get ~1/T of it and the drafter learns a topic average first
+    context_windows: str = ""
 
 
 def drafter_config_for(target: Decoder, cfg: TrainConfig, rope: dict) -> DrafterConfig:
@@ -155,7 +160,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, cfg: TrainConfig,
-                  generator: torch.Generator, weights: torch.Tensor):
+                  generator: torch.Generator, weights: torch.Tensor, window: int = 0):
     """Weighted block cross-entropy of one sequence; also the chain acceptance of each block (for monitoring)."""
     prompt, response = record["prompt_ids"], record["response_ids"]
     tokens = torch.tensor((prompt + response)[:cfg.max_seq_len])
@@ -168,7 +173,7 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, cfg: Tr
         feats = target_features(target, tokens, drafter.cfg.target_layer_ids)
     bs = drafter.cfg.block_size
     ids, pos, labels = block_inputs(tokens, anchors, bs, drafter.cfg.mask_token_id, loss_mask)
-    mask = block_mask(anchors, T, bs).view(1, 1, -1, T + ids.numel())
+    mask = block_mask(anchors, T, bs, window).view(1, 1, -1, T + ids.numel())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
         emb = target.embed(ids.view(1, -1)).float()
         hidden = drafter(emb, pos.view(1, -1), feats.float(), torch.arange(T).view(1, -1), mask=mask)
@@ -255,6 +260,7 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
         gen.set_state(saved["generator"])
         torch.set_rng_state(saved["torch_rng"])
     weights = decay_weights(dcfg.block_size - 1, cfg.gamma)
+    schedule = parse_window_schedule(cfg.context_windows)
     order = _order(len(records), cfg.seed, state.epoch)
     (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     bar = tqdm(total=cfg.steps, initial=state.step, desc="train-drafter", disable=not progress)
@@ -267,6 +273,7 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
             g["lr"] = lr_at(state.step, cfg)
         opt.zero_grad(set_to_none=True)
         losses, accs = [], []
+        window = window_at(schedule, state.step)
         for _ in range(cfg.seqs_per_step):
             if state.cursor >= len(order):
                 state.epoch += 1
@@ -274,7 +281,7 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
                 order = _order(len(records), cfg.seed, state.epoch)
             rec = records[order[state.cursor]]
             state.cursor += 1
-            out = sequence_loss(target, drafter, rec, cfg, gen, weights)
+            out = sequence_loss(target, drafter, rec, cfg, gen, weights, window)
             if out is None:
                 continue
             loss, acc = out
