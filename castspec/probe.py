@@ -41,7 +41,12 @@ def engine_key(engine) -> dict:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{torch.get_num_threads()}t"
     if dev.type == "cpu" and packing_available():
         name += "-packed"  # the packed linears changed every cost: profiles measured without them are stale
-    drafter = engine.drafter_source or "none"
+    drafter = "none"
+    if engine.drafter is not None:
+        # the drafter's shape, not only where it came from: a retrained drafter at the same path (a new
+        # release's shipped one) costs something else per pass, so its old profile must not be reused
+        c = engine.drafter.cfg
+        drafter = f"{engine.drafter_source}#layers={c.num_layers},block={c.block_size},hidden={c.hidden_size}"
     return profile_key(f"{dev.type}:{name}", str(engine.dtype).replace("torch.", ""), str(engine.source), drafter)
 
 

@@ -129,3 +129,14 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     # a missing profile is probed once and cached for this deployment
     engine._profile = None
     assert engine.cost_profile() is not None and list(tmp_path.glob("profiles/*.json"))
+
+
+def test_profile_key_follows_the_drafter_shape():
+    # a retrained drafter shipped at the same path must not reuse the old drafter's measured costs
+    from castspec.probe import engine_key
+
+    target = native(make_hf(llama_config(vocab=24), seed=1))
+    keys = [engine_key(Engine(target, None, random_drafter(target, block_size=bs), source="t", drafter_source="d"))
+            for bs in (4, 6)]
+    assert keys[0] != keys[1]
+    assert engine_key(Engine(target, None, None, source="t"))["drafter"] == "none"
