@@ -105,6 +105,11 @@ class CostAware(Policy):
     plain rounds, doubling that gap after every try that still loses (up to `max_explore_every`) and resetting
     it when drafting wins again, so a prompt on which the drafter does well gets it back while a deployment
     where drafting never pays loses little to the tries (Theorem 2's N = 0 with the draft unpaid).
+
+    Two things keep one unlucky round from switching a good drafter off for the rest of a request: the first
+    drafted round does not enter the throughput estimate (its drafter pass also reads the whole prompt's
+    features, 2-3x a later pass), and a try after plain rounds weighs half of the estimate (it is the only recent
+    evidence; with the usual 0.2 weight a low estimate needed many winning tries, each one a back-off apart).
     """
 
     name = "cost"
@@ -117,6 +122,7 @@ class CostAware(Policy):
         self.plain_rate: float | None = None  # committed tokens per ms of rounds without a draft
         self.skipped = 0
         self.batch = 1  # requests in the last drafted round
+        self.warmed_up = False  # the first drafted round has run (and was left out of the estimate)
 
     def _plain_rate(self) -> float:
         """Measured once plain rounds have run; before that, the profile's price of a verify of B roots."""
@@ -153,10 +159,17 @@ class CostAware(Policy):
         if drafted:
             was_skipping = self.skipped > 0
             self.skipped = 0
-            self.rule.update(committed, round_ms)
+            if not self.warmed_up:
+                self.warmed_up = True
+                return
+            rate = committed / max(round_ms, 1e-6)
+            if was_skipping and self.rule.lam is not None:
+                self.rule.lam = 0.5 * (self.rule.lam + rate)
+            else:
+                self.rule.update(committed, round_ms)
             if self.rule.lam >= self._plain_rate():
                 self.explore_every = self.min_explore
-            elif was_skipping:  # a try that still lost: wait longer before the next one
+            elif was_skipping and rate < self._plain_rate():  # a try that lost: wait longer before the next
                 self.explore_every = min(2 * self.explore_every, self.max_explore)
             return
         self.skipped += 1

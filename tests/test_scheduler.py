@@ -214,6 +214,8 @@ def test_a_failing_request_does_not_take_down_the_batch(models, monkeypatch):
 def test_cost_policy_stops_drafting_when_plain_rounds_are_faster():
     policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4)
     assert policy.should_draft()  # nothing measured yet
+    policy.update(1, 200.0)  # the first drafted round (it also reads the prompt) is not an estimate
+    assert policy.rule.lam is None and policy.should_draft()
     policy.update(2, 40.0)  # a drafted round: 0.05 tokens/ms, below the profile's 1 / 10 ms plain rate
     decisions = []
     for _ in range(8):
@@ -223,9 +225,23 @@ def test_cost_policy_stops_drafting_when_plain_rounds_are_faster():
     # tries a drafted round after 3 plain ones, then waits twice as long after each try that still loses
     assert decisions == [False, False, False, True, False, False, False, False]
     assert policy.explore_every == 8
-    policy.update(12, 40.0)  # the drafter starts paying: 0.3 tokens/ms (EMA crosses 0.1)
-    policy.update(12, 40.0)
+    for _ in range(7):
+        policy.update(1, 10.0, drafted=False)
+    assert policy.should_draft()
+    policy.update(12, 40.0)  # the drafter starts paying: one try at 0.3 tokens/ms lifts the estimate past 0.1
     assert policy.should_draft() and policy.explore_every == 4
+
+
+def test_cost_policy_keeps_its_back_off_after_a_try_that_wins_alone():
+    # a try that beats plain rounds on its own does not double the gap, even if the estimate stays below
+    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4)
+    policy.update(1, 200.0)
+    policy.update(1, 100.0)  # 0.01 tokens/ms
+    for _ in range(3):
+        policy.update(1, 10.0, drafted=False)  # plain: 0.1 tokens/ms
+    assert policy.should_draft()
+    policy.update(3, 25.0)  # 0.12 tokens/ms: the estimate rises to 0.065, still below plain
+    assert not policy.should_draft() and policy.explore_every == 4
 
 
 def test_cost_policy_measures_a_plain_round_before_trusting_the_profile():
@@ -233,6 +249,7 @@ def test_cost_policy_measures_a_plain_round_before_trusting_the_profile():
     slow = CostProfile({}, [1, 2, 4], [0, 1024], [[100.0, 100.0, 100.0]] * 2, [1.0, 1.0])
     policy = CostAware(RoundWidth(slow, 15, init_throughput=None), explore_every=4)
     assert policy.should_draft()
+    policy.update(1, 200.0)  # warm-up round, left out
     policy.update(2, 40.0)  # 0.05 tokens/ms: better than the profile's plain guess (0.01), worse than reality
     assert not policy.should_draft()  # so one plain round is measured before the guess is trusted
     policy.update(1, 10.0, drafted=False)  # 0.1 tokens/ms
