@@ -16,8 +16,15 @@ $PY -m castspec.bench.engine --out docs/results/engine.json
 # end to end: ar, chain, cast (auto, auto + calibration, fixed), transformers
 $C bench --n 5 --max-new-tokens 96 --methods ar,chain,cast:auto,cast:auto+cal,cast:7,cast:15,hf \
     --out docs/results/bench
+# sampling at T = 1: chain vs tree vs auto, three seeds
+$C bench --n 3 --max-new-tokens 64 --temperature 1 --seeds 0,1,2 --methods ar,chain,cast:15,cast:auto \
+    --out docs/results/bench-t1
+# teacher-forced accuracy per block position vs n-gram tables (needs the training data, see docs/training.md)
+if [ -d data/smollm2-bf16-greedy ]; then
+  $C diagnose-drafter --data data/smollm2-bf16-greedy --drafter "$DRAFTER" --out docs/results/diagnose-drafter.json
+fi
 # width sweep vs the rules' predicted widths
 $C sweep --n 2 --max-new-tokens 96 --widths 1,3,7,15,31,63 --resamples 500 --out docs/results/sweep
 # serving: allocation policies under fixed concurrency
-$C loadtest --policies ar,chain,fixed:3,fixed:7,shared:16,cost --concurrency 1,4,8,16 --requests 16 \
-    --max-tokens 48 --out docs/results/loadtest
+$C loadtest --policies ar,chain,fixed:7,shared:16,cost --concurrency 1,4,16 --requests 16 --max-tokens 48 \
+    --out docs/results/loadtest-packed
