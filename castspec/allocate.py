@@ -108,8 +108,9 @@ class CostAware(Policy):
 
     Two things keep one unlucky round from switching a good drafter off for the rest of a request: the first
     drafted round does not enter the throughput estimate (its drafter pass also reads the whole prompt's
-    features: up to twice a later pass, measured), and a try after plain rounds weighs half of the estimate (it is the only recent
-    evidence; with the usual 0.2 weight a low estimate needed many winning tries, each one a back-off apart).
+    features: up to twice a later pass, measured), and a try after plain rounds weighs half of the estimate
+    (it is the only recent evidence; with the usual 0.2 weight a low estimate needed many winning tries, each
+    one a back-off apart).
     """
 
     name = "cost"
