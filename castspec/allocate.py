@@ -163,11 +163,8 @@ class CostAware(Policy):
             if not self.warmed_up:
                 self.warmed_up = True
                 return
+            self.rule.update(committed, round_ms, weight=0.5 if was_skipping else None)
             rate = committed / max(round_ms, 1e-6)
-            if was_skipping and self.rule.lam is not None:
-                self.rule.lam = 0.5 * (self.rule.lam + rate)
-            else:
-                self.rule.update(committed, round_ms)
             if self.rule.lam >= self._plain_rate():
                 self.explore_every = self.min_explore
             elif was_skipping and rate < self._plain_rate():  # a try that lost: wait longer before the next

@@ -256,6 +256,8 @@ class RoundWidth:
         accepted[[r - 1 for r in path]] = 1.0
         self.calibration.observe(list(tree.depths), np.exp(np.asarray(tree.scores, dtype=float)), accepted)
 
-    def update(self, committed: int, round_ms: float) -> None:
+    def update(self, committed: int, round_ms: float, weight: float | None = None) -> None:
+        """Blend a measured round into lambda; `weight` is the new round's share (default 1 - momentum)."""
         rate = committed / max(round_ms, 1e-6)
-        self.lam = rate if self.lam is None else self.momentum * self.lam + (1 - self.momentum) * rate
+        keep = self.momentum if weight is None else 1 - weight
+        self.lam = rate if self.lam is None else keep * self.lam + (1 - keep) * rate

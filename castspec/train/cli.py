@@ -113,10 +113,9 @@ def cmd_train_drafter(args) -> int:
     from ..cli import UserError
     from ..engine import DTYPES
     from ..models.load import load_target, rope_parameters_of
-    from .datagen import load_records
-    from .trainer import TrainConfig, TrainError, train
-
     from .blocks import parse_window_schedule
+    from .datagen import load_records, shard_files
+    from .trainer import TrainConfig, TrainError, train
 
     try:
         parse_window_schedule(args.context_window)
@@ -130,7 +129,7 @@ def cmd_train_drafter(args) -> int:
     if args.generate:
         args.out_data = data
         _make_data(args, loaded)
-    if not data.is_dir() or not any((data / "shards").glob("shard-*.pt")):
+    if not shard_files(data):
         raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` or pass --generate")
     try:
         records = load_records(data)
@@ -228,11 +227,11 @@ def cmd_diagnose_drafter(args) -> int:
     from ..cli import UserError
     from ..engine import DTYPES
     from ..models.load import load_drafter, load_target
-    from .datagen import load_records
+    from .datagen import load_records, shard_files
     from .diagnose import diagnose
 
     data = Path(args.data)
-    if not data.is_dir() or not any((data / "shards").glob("shard-*.pt")):
+    if not shard_files(data):
         raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` first")
     loaded = load_target(args.target, dtype=DTYPES[args.dtype])
     drafter = load_drafter(Path(args.drafter), loaded.model)

@@ -125,15 +125,20 @@ def generate_dataset(target: Decoder, tokenizer, prompts: list[Prompt], out_dir:
     return dataset_summary(out_dir)
 
 
+def shard_files(data_dir: Path) -> list[Path]:
+    """A make-data dataset's shards, in order (none when `data_dir` is not one)."""
+    return sorted((Path(data_dir) / "shards").glob("shard-*.pt"))
+
+
 def load_records(data_dir: Path) -> list[dict]:
     records = []
-    for f in sorted((Path(data_dir) / "shards").glob("shard-*.pt")):
+    for f in shard_files(data_dir):
         records.extend(torch.load(f, weights_only=True))
     return records
 
 
 def dataset_summary(data_dir: Path) -> dict:
-    files = sorted((Path(data_dir) / "shards").glob("shard-*.pt"))
+    files = shard_files(data_dir)
     tokens = examples = 0
     for f in files:
         recs = torch.load(f, weights_only=True)
