@@ -46,7 +46,9 @@ def engine_key(engine) -> dict:
         # the drafter's shape, not only where it came from: a retrained drafter at the same path (a new
         # release's shipped one) costs something else per pass, so its old profile must not be reused
         c = engine.drafter.cfg
-        drafter = f"{engine.drafter_source}#layers={c.num_layers},block={c.block_size},hidden={c.hidden_size}"
+        vocab = len(engine.drafter.draft_vocab) if engine.drafter.draft_vocab is not None else "full"
+        drafter = (f"{engine.drafter_source}#layers={c.num_layers},block={c.block_size},hidden={c.hidden_size},"
+                   f"vocab={vocab}")
     return profile_key(f"{dev.type}:{name}", str(engine.dtype).replace("torch.", ""), str(engine.source), drafter)
 
 

@@ -77,7 +77,7 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
         feats[0] if len(feats) == 1 else torch.cat(feats, dim=1), torch.cat(ctx_pos).view(1, -1).to(device), segments)
     hidden = hidden.view(len(states), L + 1, -1)
     rows = torch.cat([hidden[i, 1:d + 1] for i, d in enumerate(depths)])  # one lm_head GEMM for all
-    logprobs = torch.log_softmax(target.vocab_scores(rows.to(target.dtype)).float(), dim=-1)
+    logprobs = drafter.draft_logprobs(rows, target)
     return list(logprobs.split(depths))
 
 

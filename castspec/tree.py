@@ -62,7 +62,8 @@ def build_forest(logprobs: list[torch.Tensor], budget: int, top_k: int,
     """Global best-first selection over several requests sharing one budget of `budget` nodes in total.
 
     Every request's candidates compete in one heap, so the shared budget goes to the highest-scoring strings
-    wherever they are (unequal widths). `max_width` optionally caps each request.
+    wherever they are (unequal widths). `max_width` optionally caps each request. Strings of probability 0
+    (log-probability -inf) are never taken.
     """
     if budget < 0 or top_k < 1:
         raise ValueError(f"width must be >= 0 and top_k >= 1 (got {budget}, {top_k})")
@@ -80,6 +81,8 @@ def build_forest(logprobs: list[torch.Tensor], budget: int, top_k: int,
     taken = 0
     while heap and taken < budget:
         neg, depth, _, r, parent, rank = heapq.heappop(heap)
+        if neg == float("inf"):  # only zero-probability strings are left (outside a draft vocabulary)
+            break
         vals, ids = tables[r]
         tokens, parents, depths, scores = out[r]
         if len(tokens) >= caps[r]:

@@ -8,7 +8,8 @@ from castspec.batch import run_round
 from castspec.decode import ContextLengthError, DecodeStats, decode
 from castspec.sequence import Sequence
 from castspec.engine import Engine
-from castspec.models.load import load_drafter, save_drafter
+from castspec.models.draft_vocab import DRAFT_VOCAB_FILE, save_draft_vocab
+from castspec.models.load import LoadError, load_drafter, save_drafter
 from castspec.tree import Tree
 from conftest import llama_config, make_hf, native, qwen3_config, random_drafter
 
@@ -136,6 +137,42 @@ def test_drafter_round_trips_through_public_layout(models, tmp_path):
         assert n1 == n2 and torch.equal(p1, p2)
     assert run(target, loaded, [2, 7, 1], method="cast", width=15) == run(target, drafter, [2, 7, 1],
                                                                           method="cast", width=15)
+
+
+def test_draft_vocabulary_keeps_decoding_exact_and_round_trips(models, tmp_path):
+    target, drafter = models
+    V = target.cfg.vocab_size
+    vocab = torch.arange(0, V, 2)  # every other token
+    sub = drafter.converted(drafter.dtype)
+    sub.set_draft_vocab(vocab)
+    rows = torch.randn(3, target.cfg.hidden_size)
+    full = drafter.draft_logprobs(rows, target)
+    lp = sub.draft_logprobs(rows, target)
+    # the same head restricted and renormalized: -inf outside, log q(x | x in vocab) inside
+    assert torch.isinf(lp[:, 1::2]).all()
+    torch.testing.assert_close(lp[:, vocab], torch.log_softmax(full[:, vocab], dim=-1), rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(9)
+    accepted = 0
+    for _ in range(6):
+        prompt = torch.randint(0, V - 1, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        ar = run(target, None, prompt, method="ar")
+        for method, width in [("chain", "auto"), ("cast", 7), ("cast", 63)]:
+            stats = DecodeStats()
+            out = [t for c in decode(target, sub, prompt, DecodeConfig(method=method, width=width, max_new_tokens=40),
+                                     stats) for t in c]
+            assert out == ar, (method, width)
+            accepted += sum(r.accepted for r in stats.rounds)
+    assert accepted > 0
+    save_drafter(sub, tmp_path / "d")
+    assert torch.equal(load_drafter(tmp_path / "d", target).draft_vocab, vocab)
+    save_draft_vocab(tmp_path / "d", torch.tensor([0, V]))  # a token the target does not have
+    with pytest.raises(LoadError, match="inside the target vocabulary"):
+        load_drafter(tmp_path / "d", target)
+    (tmp_path / "d" / DRAFT_VOCAB_FILE).write_text("not safetensors")
+    with pytest.raises(LoadError, match="not a readable draft vocabulary"):
+        load_drafter(tmp_path / "d", target)
+    save_draft_vocab(tmp_path / "d", None)
+    assert load_drafter(tmp_path / "d", target).draft_vocab is None
 
 
 def test_engine_requires_drafter_for_speculative_methods(models):

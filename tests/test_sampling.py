@@ -154,6 +154,7 @@ CONFIGS = [
     dict(method="cast", width=15, verifier="direct"),
     dict(method="cast", width=15, top_k=4, top_p=0.9, temperature=0.8),
     dict(method="chain", top_k=4, top_p=0.9, temperature=0.8),
+    dict(method="cast", width=15, draft_vocab=(0, 2, 3, 5)),  # q is 0 outside the draft vocabulary
 ]
 
 
@@ -161,6 +162,9 @@ CONFIGS = [
 def test_sampled_decoding_preserves_the_target_law(law_setup, cfg):
     target, drafter = law_setup
     cfg = {"temperature": 1.0, **cfg}
+    if "draft_vocab" in cfg:
+        drafter = drafter.converted(drafter.dtype)
+        drafter.set_draft_vocab(torch.tensor(cfg.pop("draft_vocab")))
     prompt = [1, 4, 2]
     proc = LogitProcessor(cfg["temperature"], cfg.get("top_k", 0), cfg.get("top_p", 1.0))
     singles, pairs = exact_marginals(target, prompt, proc)

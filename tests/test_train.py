@@ -228,3 +228,31 @@ def test_diagnose_drafter(tiny_data, tmp_path, capsys):
     assert report["replay_R"]["chain"] >= 1.0
     assert main(["diagnose-drafter", "--data", str(tmp_path / "nothing"), "--drafter", "x"]) == 2
     assert "no training data" in capsys.readouterr().err
+
+
+def test_draft_vocab_command(tiny_data, tmp_path, capsys):
+    import json
+
+    from castspec.cli import main
+
+    target, records = tiny_data
+    make_hf(llama_config(vocab=32, num_hidden_layers=4), seed=3).save_pretrained(tmp_path / "target")
+    (tmp_path / "data" / "shards").mkdir(parents=True)
+    torch.save(records, tmp_path / "data" / "shards" / "shard-00000.pt")
+    train(target, records, tmp_path / "run", tiny_config(steps=2), ROPE, progress=False)
+    drafter_dir = tmp_path / "run" / "drafter"
+    args = ["draft-vocab", "--drafter", str(drafter_dir), "--data", str(tmp_path / "data"),
+            "--target", str(tmp_path / "target")]
+    assert main(args + ["--size", "12"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    vocab = load_drafter(drafter_dir, target).draft_vocab
+    assert report["draft_vocab"] == 12 == len(vocab)
+    counts = torch.bincount(torch.tensor([t for r in records for t in r["response_ids"]]), minlength=32)
+    assert report["train_coverage"] == pytest.approx(counts[vocab].sum().item() / counts.sum().item())
+    assert counts[vocab].min() >= counts.sort(descending=True).values[11]  # the 12 most frequent tokens
+    assert main(args + ["--size", "0"]) == 0 and load_drafter(drafter_dir, target).draft_vocab is None
+    capsys.readouterr()
+    for bad, msg in [(["--size", "33"], "--size must be"), (["--data", str(tmp_path)], "no training data"),
+                     (["--drafter", str(tmp_path)], "not a drafter directory")]:
+        assert main(args + bad) == 2
+        assert msg in capsys.readouterr().err

@@ -85,3 +85,11 @@ def test_forest_shares_one_budget_best_first():
     # each request's share is itself the top of its own universe
     for t, lp in zip(trees, lps):
         assert set(paths(t)) == {s for _, s in brute_force(lp, len(t), 3)}
+
+
+def test_zero_probability_strings_are_never_taken():
+    lp = torch.log_softmax(torch.randn(3, 10), dim=-1)
+    lp[:, 4:] = float("-inf")  # a draft vocabulary of four tokens
+    tree = build_tree(lp, 1000, 8)
+    assert len(tree) == 4 + 16 + 64 and all(t < 4 for t in tree.tokens)
+    assert all(s > float("-inf") for s in tree.scores)

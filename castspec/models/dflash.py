@@ -73,6 +73,28 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
         self.rope = RotaryTable(cfg.rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, dtype, device)
         self._fc_pack = WeightPack()
+        # the draft vocabulary (models/draft_vocab.py): None scores every target token
+        self.draft_vocab: torch.Tensor | None = None
+        self._sub_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target head it came from, its rows)
+        self._sub_pack = WeightPack()
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        self.draft_vocab = None if token_ids is None else token_ids.to(torch.long).to(self.fc.weight.device)
+        self._sub_head = None
+
+    def draft_logprobs(self, rows: torch.Tensor, target) -> torch.Tensor:
+        """log q_j over the full vocabulary [..., V] (fp32) for final-normed block rows [..., H], through the
+        target's lm_head; with a draft vocabulary only its rows of the head are read and every other token
+        gets -inf (probability 0)."""
+        rows = rows.to(target.dtype)
+        if self.draft_vocab is None:
+            return torch.log_softmax(target.vocab_scores(rows).float(), dim=-1)
+        head = target.head_weight
+        if self._sub_head is None or self._sub_head[0] is not head:
+            self._sub_head = (head, head.index_select(0, self.draft_vocab).contiguous())
+        sub = torch.log_softmax(linear(rows, self._sub_head[1], None, self._sub_pack).float(), dim=-1)
+        out = torch.full((*rows.shape[:-1], head.shape[0]), float("-inf"), device=rows.device)
+        return out.index_copy_(-1, self.draft_vocab, sub)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,6 +104,7 @@ class DFlashDrafter(nn.Module):
         """A copy in another dtype/device (rebuilt, because `.to()` would break the fused weight views)."""
         clone = DFlashDrafter(self.cfg, dtype=dtype, device=device or self.fc.weight.device, hf_config=self.hf_config)
         clone.load_state_dict({k: v.to(dtype) for k, v in self.state_dict().items()})
+        clone.set_draft_vocab(self.draft_vocab)
         return clone.eval().requires_grad_(False)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:

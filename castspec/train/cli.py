@@ -1,4 +1,4 @@
-"""`castspec make-data`, `castspec train-drafter`, `castspec eval-drafter`."""
+"""`castspec make-data`, `train-drafter`, `draft-vocab`, `diagnose-drafter`, `eval-drafter`."""
 from __future__ import annotations
 
 import json
@@ -86,6 +86,16 @@ def register(sub) -> None:
     g.add_argument("--test-records", type=int, default=200)
     g.add_argument("--out", default=None)
     g.set_defaults(func=cmd_diagnose_drafter)
+
+    v = sub.add_parser("draft-vocab", help="score only the tokens the target writes most (a faster drafter head)",
+                       description="Write DRAFTER/draft_vocab.safetensors: the SIZE most frequent tokens of the "
+                                   "target's responses in a make-data dataset (plus its stop tokens). The drafter "
+                                   "head then reads only those rows of the lm_head; decoding stays exact.")
+    v.add_argument("--drafter", required=True, help="drafter directory (public DFlash layout)")
+    v.add_argument("--data", required=True, help="dataset directory from make-data")
+    v.add_argument("--size", type=int, default=16384, help="tokens to keep; 0 removes the draft vocabulary")
+    v.add_argument("--target", default=None)
+    v.set_defaults(func=cmd_draft_vocab)
 
     e = sub.add_parser("eval-drafter", help="R of chain and cast on the held-out prompts, per domain (JSON)")
     e.add_argument("--drafter", required=True)
@@ -238,6 +248,38 @@ def cmd_diagnose_drafter(args) -> int:
     with torch.inference_mode():
         report = diagnose(loaded.model, drafter, load_records(data), args.test_records)
     return _report(report, args.out)
+
+
+def cmd_draft_vocab(args) -> int:
+    import torch
+
+    from ..cli import UserError
+    from ..models.draft_vocab import coverage, save_draft_vocab, token_counts, top_tokens
+    from ..models.load import load_drafter, load_target
+    from .datagen import load_records, shard_files
+
+    drafter_dir, data = Path(args.drafter), Path(args.data)
+    if not (drafter_dir / "config.json").is_file():
+        raise UserError(f"{drafter_dir} is not a drafter directory (no config.json)")
+    if not shard_files(data):
+        raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` first")
+    loaded = load_target(args.target)
+    load_drafter(drafter_dir, loaded.model)  # refuse a drafter made for another target before writing anything
+    vocab = loaded.model.cfg.vocab_size
+    if not 0 <= args.size <= vocab:
+        raise UserError(f"--size must be between 1 and the vocabulary size {vocab} (or 0: the whole vocabulary)")
+    _writable_dir(str(drafter_dir))
+    if args.size == 0 or args.size == vocab:
+        save_draft_vocab(drafter_dir, None)
+        return _report({"drafter": str(drafter_dir), "draft_vocab": "full"}, None)
+    records = load_records(data)
+    ids = top_tokens(token_counts(records, vocab), args.size, tuple(loaded.model.cfg.eos_token_ids))
+    save_draft_vocab(drafter_dir, ids)
+    report = {"drafter": str(drafter_dir), "draft_vocab": len(ids), "train_coverage": coverage(records, ids)}
+    held = sorted(data.glob("heldout-*.pt"))
+    if held:  # the prompts training never saw: what decoding on new prompts will meet
+        report["heldout_coverage"] = coverage(torch.load(held[-1], weights_only=True), ids)
+    return _report(report, None)
 
 
 def cmd_eval_drafter(args) -> int:

@@ -46,7 +46,7 @@ def replay_r(target: Decoder, drafter: DFlashDrafter, records: list[dict], width
         mask = block_mask(anchors, T, bs).view(1, 1, -1, T + ids.numel())
         hidden = drafter(target.embed(ids.view(1, -1)), pos.view(1, -1), feats, torch.arange(T).view(1, -1),
                          mask=mask).view(anchors.numel(), bs, -1)[:, 1:]
-        logprobs = torch.log_softmax(target.vocab_scores(hidden.to(target.dtype)).float(), dim=-1)
+        logprobs = drafter.draft_logprobs(hidden, target)
         pred = logprobs.argmax(-1)
         for b, a in enumerate(anchors.tolist()):
             labels = tokens[a + 1:a + 1 + L]
