@@ -195,7 +195,8 @@ def pava(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 class RoundWidth:
-    """The per-round (Lagrangian) rule: keep node i while rho_i >= lambda * (l(i) - l(i-1)).
+    """The per-round (Lagrangian) rule: the width N maximizing sum_{i<=N} rho_i - lambda * l(N), i.e. keep node
+    i while rho_i >= lambda * (l(i) - l(i-1)) where costs are convex.
 
     lambda is the running throughput estimate (committed tokens per ms), so the width follows each prompt and
     round. It starts from the static expectation and then tracks measured rounds (EMA).
@@ -221,9 +222,8 @@ class RoundWidth:
         return self.allocate([scores], [depths], [prefix])[0]
 
     def allocate(self, scores: list[list[float]], depths: list[list[int]], prefixes: list[int]) -> list[int]:
-        """Nodes per request for one batched round (Proposition 3): repeatedly take the best next candidate of
-        any request while its mass pays for one more packed token of the batch's verify at throughput lambda.
-        Each request's nodes are taken in its own best-first order, so every tree stays prefix-closed."""
+        """Nodes per request for one batched round (Proposition 3): the best candidates of all requests, as many
+        as maximize their summed mass minus lambda times the batch's verify cost (throughput lambda)."""
         B = len(scores)
         masses = []
         for sc, dp in zip(scores, depths):
@@ -236,16 +236,24 @@ class RoundWidth:
         if lam is None:
             merged = np.sort(np.concatenate(masses))[::-1] if masses else np.zeros(0)
             lam = float(np.max(throughput(merged, table[:len(merged) + 1], roots=B)))
-        taken = [0] * B
-        heap = [(-m[0], i) for i, m in enumerate(masses) if len(m)]
+        # every request's candidates in one best-first order (each request's own order kept, so its trees
+        # stay prefix-closed), then the prefix of that order maximizing gain - lambda * cost: the greedy stop
+        # "add while rho >= lambda * delta l" is the same answer on convex costs, but measured costs have steps
+        # (the first extra packed row costs more than the next few), and a greedy stop would refuse a whole
+        # cheap tree because its first node alone does not pay for the step
+        order, gains = [], [0.0]
+        heap = [(-m[0], i, 0) for i, m in enumerate(masses) if len(m)]
         heapq.heapify(heap)
-        n = 0
-        while heap and n + 1 < len(table) and -heap[0][0] >= lam * (table[n + 1] - table[n]):
-            _, i = heapq.heappop(heap)
+        while heap and len(order) + 1 < len(table):
+            neg, i, k = heapq.heappop(heap)
+            order.append(i)
+            gains.append(gains[-1] - neg)
+            if k + 1 < len(masses[i]):
+                heapq.heappush(heap, (-masses[i][k + 1], i, k + 1))
+        best = int(np.argmax(np.asarray(gains) - lam * table[:len(gains)]))
+        taken = [0] * B
+        for i in order[:best]:
             taken[i] += 1
-            n += 1
-            if taken[i] < len(masses[i]):
-                heapq.heappush(heap, (-masses[i][taken[i]], i))
         return taken
 
     def observe(self, tree, path: list[int]) -> None:
@@ -256,8 +264,7 @@ class RoundWidth:
         accepted[[r - 1 for r in path]] = 1.0
         self.calibration.observe(list(tree.depths), np.exp(np.asarray(tree.scores, dtype=float)), accepted)
 
-    def update(self, committed: int, round_ms: float, weight: float | None = None) -> None:
-        """Blend a measured round into lambda; `weight` is the new round's share (default 1 - momentum)."""
+    def update(self, committed: int, round_ms: float) -> None:
+        """Blend a measured round into lambda."""
         rate = committed / max(round_ms, 1e-6)
-        keep = self.momentum if weight is None else 1 - weight
-        self.lam = rate if self.lam is None else keep * self.lam + (1 - keep) * rate
+        self.lam = rate if self.lam is None else self.momentum * self.lam + (1 - self.momentum) * rate

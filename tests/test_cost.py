@@ -73,6 +73,16 @@ def test_round_rule_uses_marginal_cost_and_running_throughput():
     assert 0.2 < rule.lam < 0.4
 
 
+def test_round_rule_pays_a_cost_step_for_the_whole_tree():
+    # the first extra packed row costs 3 ms, the next six nothing: no single node of mass 0.1 pays 3 ms at
+    # 0.045 tokens/ms, but seven of them do (0.7 tokens for 3 ms); past 8 rows each costs 2.5 ms (0.11 tokens)
+    prof = profile_from(lambda n: 27.0 if n == 1 else (30.0 if n <= 8 else 30.0 + 2.5 * (n - 8)))
+    rule = RoundWidth(prof, max_width=31, init_throughput=0.045)
+    scores = np.log(np.full(31, 0.1)).tolist()
+    assert rule.choose(scores, [1] * 31, 100) == 7
+    assert rule.choose(np.log(np.full(31, 0.01)).tolist(), [1] * 31, 100) == 0  # 0.07 tokens do not pay 3 ms
+
+
 def test_profile_round_trip(tmp_path):
     prof = profile_from(lambda n: 1.0 + n)
     prof.save(tmp_path / "p.json")

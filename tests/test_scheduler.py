@@ -212,32 +212,35 @@ def test_a_failing_request_does_not_take_down_the_batch(models, monkeypatch):
 
 
 def test_cost_policy_stops_drafting_when_plain_rounds_are_faster():
-    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4)
+    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4, min_drafted=3,
+                       try_rounds=2)
     assert policy.should_draft()  # nothing measured yet
     policy.update(1, 200.0)  # the first drafted round (it also reads the prompt) is not an estimate
-    assert policy.rule.lam is None and policy.should_draft()
-    policy.update(2, 40.0)  # a drafted round: 0.05 tokens/ms, below the profile's 1 / 10 ms plain rate
+    assert policy.rule.lam is None and policy.draft_rate is None and policy.should_draft()
+    policy.update(2, 40.0)  # drafted rounds at 0.05 tokens/ms, below the profile's 1 / 10 ms plain rate,
+    assert policy.should_draft()  # but every request drafts its first min_drafted rounds
+    policy.update(2, 40.0)
     decisions = []
-    for _ in range(8):
+    for _ in range(14):
         d = policy.should_draft()
         decisions.append(d)
         policy.update(1, 10.0, drafted=False) if not d else policy.update(2, 40.0)
-    # tries a drafted round after 3 plain ones, then waits twice as long after each try that still loses
-    assert decisions == [False, False, False, True, False, False, False, False]
-    assert policy.explore_every == 8
-    for _ in range(7):
-        policy.update(1, 10.0, drafted=False)
-    assert policy.should_draft()
-    policy.update(12, 40.0)  # the drafter starts paying: one try at 0.3 tokens/ms lifts the estimate past 0.1
+    # after 4 plain rounds a burst of 2 drafted rounds; it loses, so the next burst waits 8 plain rounds
+    assert decisions == [False] * 4 + [True] * 2 + [False] * 8
+    assert policy.explore_every == 8 and policy.should_draft()
+    policy.update(12, 40.0)
+    policy.update(12, 40.0)  # the drafter starts paying: a burst at 0.3 tokens/ms lifts the estimate past 0.1
     assert policy.should_draft() and policy.explore_every == 4
 
 
 def test_cost_policy_keeps_its_back_off_after_a_try_that_wins_alone():
-    # a try that beats plain rounds on its own does not double the gap, even if the estimate stays below
-    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4)
+    # a burst that beats plain rounds on its own does not double the gap, even if the estimate stays below
+    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4, min_drafted=2,
+                       try_rounds=1)
     policy.update(1, 200.0)
     policy.update(1, 100.0)  # 0.01 tokens/ms
-    for _ in range(3):
+    for _ in range(4):
+        assert not policy.should_draft()
         policy.update(1, 10.0, drafted=False)  # plain: 0.1 tokens/ms
     assert policy.should_draft()
     policy.update(3, 25.0)  # 0.12 tokens/ms: the estimate rises to 0.065, still below plain
@@ -247,10 +250,31 @@ def test_cost_policy_keeps_its_back_off_after_a_try_that_wins_alone():
 def test_cost_policy_measures_a_plain_round_before_trusting_the_profile():
     # a profile probed on a busy machine: plain steps look 10x slower than they are
     slow = CostProfile({}, [1, 2, 4], [0, 1024], [[100.0, 100.0, 100.0]] * 2, [1.0, 1.0])
-    policy = CostAware(RoundWidth(slow, 15, init_throughput=None), explore_every=4)
+    policy = CostAware(RoundWidth(slow, 15, init_throughput=None), explore_every=4, min_drafted=2)
     assert policy.should_draft()
     policy.update(1, 200.0)  # warm-up round, left out
     policy.update(2, 40.0)  # 0.05 tokens/ms: better than the profile's plain guess (0.01), worse than reality
     assert not policy.should_draft()  # so one plain round is measured before the guess is trusted
     policy.update(1, 10.0, drafted=False)  # 0.1 tokens/ms
     assert [policy.should_draft() or policy.update(1, 10.0, drafted=False) for _ in range(2)] == [None] * 2
+
+
+def test_cost_policy_keeps_a_drafter_that_wins_on_average_through_bad_runs():
+    # committed tokens of drafted rounds (37 ms each) like those on a held-out math prompt, against 28 ms plain
+    # rounds: 1.73 tokens per round on average, i.e. drafting wins by 31%, with a run of single-token rounds
+    trace = [2, 3, 2, 2, 2, 2, 1, 3, 1, 2, 2, 2, 2, 1, 2, 1, 1, 1, 1, 1, 3, 2, 1, 2, 3, 2, 1, 1, 1, 2]
+    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=8)
+    policy.update(2, 60.0)  # warm-up round
+    policy.update(2, 37.0)
+    policy.update(1, 28.0, drafted=False)  # the one plain round that measures the alternative
+    for committed in trace:
+        assert policy.should_draft()
+        policy.update(committed, 37.0)
+    # the width rule's own (short) estimate did dip below plain rounds: it alone would have stopped drafting
+    lam = None
+    for committed in [2] + trace:
+        rate = committed / 37.0
+        lam = rate if lam is None else 0.8 * lam + 0.2 * rate
+        if lam < 1 / 28.0:
+            break
+    assert lam < 1 / 28.0
