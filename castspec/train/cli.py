@@ -56,6 +56,8 @@ def register(sub) -> None:
     t.add_argument("--layers", type=int, default=3)
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--mask-token-id", type=int, default=16, help="default: <empty_output> of SmolLM2")
+    t.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop at this step (checkpointed and exported), keeping the --steps schedule; rerun to go on")
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--export-every", type=int, default=500)
     t.add_argument("--norm-init", choices=("target", "small", "ones"), default="target",
@@ -158,7 +160,7 @@ def cmd_train_drafter(args) -> int:
     if args.eval_per_domain > 0 and loaded.tokenizer is not None:
         on_export = replay_tracker(loaded, data, out, args.eval_per_domain)
     try:
-        state = train(loaded.model, records, out, cfg, rope, on_export=on_export)
+        state = train(loaded.model, records, out, cfg, rope, on_export=on_export, stop_after=args.stop_after)
     except TrainError as e:
         raise UserError(str(e)) from None
     print(json.dumps({"steps": state.step, "epoch": state.epoch, "loss": state.ema_loss,

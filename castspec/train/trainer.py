@@ -304,7 +304,7 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
                                   "train_tau": sum(window_acc) / max(len(window_acc), 1),
                                   "elapsed_s": time.time() - t0})
             window_loss, window_acc = [], []
-        last = state.step == cfg.steps
+        last = state.step == cfg.steps or (stop_after is not None and state.step >= stop_after)
         if state.step % cfg.checkpoint_every == 0 or last:
             save_checkpoint(ckpt, drafter, opt, state, gen, cfg)
         if state.step % cfg.export_every == 0 or last:
