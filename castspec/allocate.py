@@ -111,8 +111,10 @@ class CostAware(Policy):
     response after two single-token rounds, while a fixed width beat plain decoding on both. Hence: every
     request drafts its first `min_drafted` rounds; draft-or-not uses a slow estimate of drafted throughput
     (`decision_momentum`, about 20 rounds; the width rule keeps its own faster lambda); tries are bursts whose
-    mean weighs half of the estimate. The first drafted round enters no estimate: its drafter pass also reads
-    the whole prompt's features (up to twice a later pass, measured).
+    mean weighs half of the estimate. Under load all three count request-rounds, not rounds: a round of 16
+    requests is already an average of 16 outcomes, and its trees cost far more than one request's. The first
+    drafted round enters no estimate: its drafter pass also reads the whole prompt's features (up to twice a
+    later pass, measured).
     """
 
     name = "cost"
@@ -126,10 +128,12 @@ class CostAware(Policy):
         self.decision_momentum, self.min_drafted, self.try_rounds = decision_momentum, min_drafted, try_rounds
         self.draft_rate: float | None = None  # committed tokens per ms of drafted rounds (slow EMA)
         self.plain_rate: float | None = None  # committed tokens per ms of rounds without a draft
-        self.drafted = 0  # drafted rounds so far
-        self.rated = 0  # drafted rounds in draft_rate outside tries
+        # evidence is counted in request-rounds (one request's outcome in one round): a round of B requests
+        # averages B outcomes, so burn-in, tries and the estimate's memory shrink with the batch in rounds
+        self.drafted = 0  # drafted request-rounds so far
+        self.rated = 0  # drafted request-rounds in draft_rate outside tries
         self.skipped = 0  # plain rounds since the last drafted one
-        self.burst: list[float] | None = None  # [rounds left, committed, ms] of a running try
+        self.burst: list[float] | None = None  # [request-rounds left, committed, ms] of a running try
         self.batch = 1  # requests in the last drafted round
 
     def _plain_rate(self) -> float:
@@ -170,19 +174,21 @@ class CostAware(Policy):
             if self.skipped >= self.explore_every:
                 self.burst = [self.try_rounds, 0.0, 0.0]
             return
-        self.drafted += 1
+        first = self.drafted == 0
+        self.drafted += self.batch
         self.skipped = 0
-        if self.drafted == 1:
+        if first:
             return
         self.rule.update(committed, round_ms)
         if self.burst is None:
-            self.rated += 1
-            m = min(self.decision_momentum, 1 - 1 / self.rated)  # a plain mean until it has ~20 rounds
+            self.rated += self.batch
+            # a plain mean until it holds ~20 request-rounds, then an EMA with that memory
+            m = min(self.decision_momentum ** self.batch, 1 - self.batch / self.rated)
             self.draft_rate = rate if self.draft_rate is None else m * self.draft_rate + (1 - m) * rate
             if self.draft_rate >= self._plain_rate():
                 self.explore_every = self.min_explore
             return
-        self.burst = [self.burst[0] - 1, self.burst[1] + committed, self.burst[2] + round_ms]
+        self.burst = [self.burst[0] - self.batch, self.burst[1] + committed, self.burst[2] + round_ms]
         if self.burst[0] > 0:
             return
         tried = self.burst[1] / max(self.burst[2], 1e-6)

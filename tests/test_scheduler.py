@@ -278,3 +278,18 @@ def test_cost_policy_keeps_a_drafter_that_wins_on_average_through_bad_runs():
         if lam < 1 / 28.0:
             break
     assert lam < 1 / 28.0
+
+
+def test_cost_policy_counts_request_rounds_under_load():
+    # 16 requests per round: the burn-in and a try each take one round, not 6 and 3
+    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4)
+    policy.batch = 16  # what allocate() records for a round of 16 drafting requests
+    policy.update(16, 200.0)  # warm-up round
+    policy.update(16, 400.0)  # 0.04 tokens/ms against plain rounds of 16 tokens in 10 ms
+    assert not policy.should_draft()  # burn-in done after one round of 16: measure a plain round
+    for _ in range(4):
+        assert not policy.should_draft()
+        policy.update(16, 10.0, drafted=False)
+    assert policy.should_draft()  # a try
+    policy.update(16, 400.0)
+    assert not policy.should_draft() and policy.explore_every == 8  # one round of 16 was the whole try
