@@ -106,9 +106,9 @@ class CostAware(Policy):
     every burst that loses (up to `max_explore_every`) and resets when drafting wins again.
 
     One round is weak evidence: it commits 1 to 4+ tokens, so short averages of a drafter that wins by a
-    third on average still dip below plain rounds in runs of bad luck. Measured on held-out prompts with the
-    per-round estimate alone, drafting switched off for a third of a math response and for all of a chat
-    response after two single-token rounds, while a fixed width beat plain decoding on both. Hence: every
+    third on average still dip below plain rounds in runs of bad luck. In round traces on held-out prompts,
+    the per-round estimate alone switched drafting off for long stretches of math and chat responses (once
+    after two single-token rounds) on which a fixed width beat plain decoding. Hence: every
     request drafts its first `min_drafted` rounds; draft-or-not uses a slow estimate of drafted throughput
     (`decision_momentum`, about 20 rounds; the width rule keeps its own faster lambda); tries are bursts whose
     mean weighs half of the estimate. Under load all three count request-rounds, not rounds: a round of 16
