@@ -13,6 +13,24 @@ from castspec.models.load import build_target
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="device for the model-level exactness tests (test_decoder, test_decode, test_sampling): "
+                          "cpu (default) or cuda")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    dev = torch.device(request.config.getoption("--device"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail("--device cuda asked for, but torch sees no CUDA device")
+    if dev.type == "cuda":
+        # the exactness contract is stated for true fp32: no TF32 in the reference's or our matmuls
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return dev
+
+
 def llama_config(vocab=48, rope_scaling=False, tie=True, **kw):
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if rope_scaling:
@@ -33,10 +51,10 @@ def qwen3_config(vocab=48, **kw):
     return Qwen3Config(**base)
 
 
-def make_hf(config, seed=0):
+def make_hf(config, seed=0, device="cpu"):
     torch.manual_seed(seed)
     cls = LlamaForCausalLM if config.model_type == "llama" else Qwen3ForCausalLM
-    model = cls(config).eval()
+    model = cls(config).eval().to(device)
     # random init is small; widen the logits so greedy choices are not near-ties
     with torch.no_grad():
         for p in model.parameters():
@@ -46,7 +64,8 @@ def make_hf(config, seed=0):
 
 
 def native(hf_model, dtype=torch.float32):
-    return build_target(hf_model.config, hf_model.state_dict(), dtype, "cpu")
+    """Our decoder with the HF model's weights, on the HF model's device."""
+    return build_target(hf_model.config, hf_model.state_dict(), dtype, hf_model.device)
 
 
 def random_drafter(target, block_size=8, layers=2, taps=None, seed=0, scale=3.0) -> DFlashDrafter:
@@ -57,7 +76,7 @@ def random_drafter(target, block_size=8, layers=2, taps=None, seed=0, scale=3.0)
                         num_target_layers=t.num_layers, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                         max_positions=t.max_positions, vocab_size=t.vocab_size)
     torch.manual_seed(seed)
-    d = DFlashDrafter(cfg, dtype=target.dtype)
+    d = DFlashDrafter(cfg, dtype=target.dtype, device=target.device)
     with torch.no_grad():
         for name, p in d.named_parameters():
             if p.dim() == 2:

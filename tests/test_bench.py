@@ -91,3 +91,23 @@ def test_method_specs():
     assert MethodSpec.parse("cast:7").label == "cast@7" and MethodSpec.parse("cast").width == "auto"
     with pytest.raises(ValueError):
         MethodSpec.parse("beam")
+
+
+def test_engine_benchmark_end_to_end(tmp_path):
+    """`python -m castspec.bench.engine` on a tiny HF directory: every figure it reports is there and sane."""
+    from castspec.bench import engine as engine_bench
+    from conftest import tiny_tokenizer
+
+    make_hf(llama_config(vocab=24)).save_pretrained(tmp_path / "target")
+    tiny_tokenizer(24).save_pretrained(tmp_path / "target")
+    out = tmp_path / "engine.json"
+    assert engine_bench.main(["--target", str(tmp_path / "target"), "--dtypes", "fp32", "--tokens", "4",
+                              "--prompts", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    entry = report["dtypes"]["fp32"]
+    assert report["read_bandwidth_gbps"] > 0 and entry["weight_bytes"] > 0
+    assert entry["castspec_ar_ms_per_token"] > 0 and entry["transformers_ms_per_token"] > 0
+    gemv = entry["gemv_ms"]
+    # the per-matrix best of the kernels can only be at or below each kernel's own total
+    assert 0 < gemv["best"] <= min(v for k, v in gemv.items() if k != "best")
+    assert 0 < entry["host_share_cast63"]["host_share"] < 1

@@ -20,9 +20,9 @@ def run(target, drafter, prompt, **kw):
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def models(request):
+def models(request, device):
     cfg = llama_config(vocab=24) if request.param == "llama" else qwen3_config(vocab=24)
-    target = native(make_hf(cfg, seed=1))
+    target = native(make_hf(cfg, seed=1, device=device))
     return target, random_drafter(target, block_size=8, seed=2)
 
 
@@ -80,7 +80,8 @@ def test_compaction_equals_recomputed_cache(models):
     assert emitted == truth[:len(emitted)]
     fresh = target.new_cache(len(committed) + 1)
     with torch.inference_mode():
-        target(torch.tensor([committed]), torch.arange(len(committed))[None], fresh, 0, causal=True)
+        target(torch.tensor([committed], device=target.device), torch.arange(len(committed), device=target.device)[None],
+               fresh, 0, causal=True)
     n = len(committed)
     torch.testing.assert_close(seq.cache.k[..., :n, :], fresh.k[..., :n, :], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(seq.cache.v[..., :n, :], fresh.v[..., :n, :], rtol=1e-4, atol=1e-5)
@@ -145,7 +146,7 @@ def test_draft_vocabulary_keeps_decoding_exact_and_round_trips(models, tmp_path)
     vocab = torch.arange(0, V, 2)  # every other token
     sub = drafter.converted(drafter.dtype)
     sub.set_draft_vocab(vocab)
-    rows = torch.randn(3, target.cfg.hidden_size)
+    rows = torch.randn(3, target.cfg.hidden_size, device=target.device)
     full = drafter.draft_logprobs(rows, target)
     lp = sub.draft_logprobs(rows, target)
     # the same head restricted and renormalized: -inf outside, log q(x | x in vocab) inside
@@ -164,7 +165,7 @@ def test_draft_vocabulary_keeps_decoding_exact_and_round_trips(models, tmp_path)
             accepted += sum(r.accepted for r in stats.rounds)
     assert accepted > 0
     save_drafter(sub, tmp_path / "d")
-    assert torch.equal(load_drafter(tmp_path / "d", target).draft_vocab, vocab)
+    assert torch.equal(load_drafter(tmp_path / "d", target).draft_vocab.cpu(), vocab)
     save_draft_vocab(tmp_path / "d", torch.tensor([0, V]))  # a token the target does not have
     with pytest.raises(LoadError, match="inside the target vocabulary"):
         load_drafter(tmp_path / "d", target)

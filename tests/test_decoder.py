@@ -15,16 +15,16 @@ CONFIGS = {
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
-def pair(request):
-    hf = make_hf(CONFIGS[request.param]())
+def pair(request, device):
+    hf = make_hf(CONFIGS[request.param](), device=device)
     return hf, native(hf)
 
 
 def test_prefill_logits_and_taps_match_transformers(pair):
     hf, model = pair
-    ids = torch.randint(0, hf.config.vocab_size, (2, 23))
+    ids = torch.randint(0, hf.config.vocab_size, (2, 23)).to(model.device)
     ref = hf(ids, output_hidden_states=True)
-    logits, taps = model(ids, torch.arange(23).expand(2, -1), model.new_cache(32, batch=2), 0, causal=True,
+    logits, taps = model(ids, torch.arange(23, device=model.device).expand(2, -1), model.new_cache(32, batch=2), 0, causal=True,
                          taps=(2, 0))
     torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
     H = hf.config.hidden_size
@@ -35,13 +35,14 @@ def test_prefill_logits_and_taps_match_transformers(pair):
 @pytest.mark.parametrize("split", [1, 7, 40])
 def test_cached_decoding_matches_full_forward(pair, split):
     hf, model = pair
-    ids = torch.randint(0, hf.config.vocab_size, (1, 48))
+    dev = model.device
+    ids = torch.randint(0, hf.config.vocab_size, (1, 48)).to(dev)
     ref = hf(ids).logits
     cache = model.new_cache(64)
-    model(ids[:, :split], torch.arange(split)[None], cache, 0, causal=True)
+    model(ids[:, :split], torch.arange(split, device=dev)[None], cache, 0, causal=True)
     rows = []
     for t in range(split, 48):
-        lg, _ = model(ids[:, t:t + 1], torch.tensor([[t]]), cache, t)
+        lg, _ = model(ids[:, t:t + 1], torch.tensor([[t]], device=dev), cache, t)
         rows.append(lg)
     torch.testing.assert_close(torch.cat(rows, 1), ref[:, split:], rtol=1e-5, atol=1e-5)
 
@@ -50,14 +51,15 @@ def test_packed_tree_equals_separate_forwards(pair):
     """Lemma 1: with the ancestor-only mask each packed node's logits equal a plain forward over its path."""
     hf, model = pair
     V = hf.config.vocab_size
-    prefix = torch.randint(0, V, (1, 11))
+    dev = model.device
+    prefix = torch.randint(0, V, (1, 11)).to(dev)
     P = prefix.shape[1]
     tree = Tree(tokens=[5, 9, 3, 7, 1, 2, 8], parents=[-1, -1, 0, 0, 2, 1, 4], depths=[1, 1, 2, 2, 3, 2, 4],
                 scores=[0.0] * 7)
     root = 4
     cache = model.new_cache(P + 16)
-    model(prefix, torch.arange(P)[None], cache, 0, causal=True)
-    pack = pack_tree(tree, root, P, "cpu")
+    model(prefix, torch.arange(P, device=dev)[None], cache, 0, causal=True)
+    pack = pack_tree(tree, root, P, dev)
     packed, _ = model(pack.ids, pack.positions, cache, P, mask=pack.mask)
     for row in range(len(tree) + 1):
         path = []
@@ -65,6 +67,6 @@ def test_packed_tree_equals_separate_forwards(pair):
         while r > 0:
             path.append(tree.tokens[r - 1])
             r = tree.parents[r - 1] + 1
-        seq = torch.cat([prefix, torch.tensor([[root, *reversed(path)]])], dim=1)
+        seq = torch.cat([prefix, torch.tensor([[root, *reversed(path)]], device=dev)], dim=1)
         ref = hf(seq).logits[0, -1]
         torch.testing.assert_close(packed[0, row], ref, rtol=1e-5, atol=1e-5)

@@ -112,8 +112,8 @@ V, NEW = 6, 5
 
 
 @pytest.fixture(scope="module")
-def law_setup():
-    target = native(make_hf(llama_config(vocab=V), seed=4))
+def law_setup(device):
+    target = native(make_hf(llama_config(vocab=V), seed=4, device=device))
     drafter = random_drafter(target, block_size=5, seed=1, scale=1.0)
     return target, drafter
 
@@ -121,11 +121,12 @@ def law_setup():
 def exact_marginals(target, prompt, proc: LogitProcessor):
     """Exact law of the first NEW sampled tokens, marginals of each position and of adjacent pairs."""
     seqs = list(itertools.product(range(V), repeat=NEW - 1))
-    ids = torch.tensor([prompt + list(s) for s in seqs])
+    ids = torch.tensor([prompt + list(s) for s in seqs], device=target.device)
     T = ids.shape[1]
     with torch.inference_mode():
-        logits, _ = target(ids, torch.arange(T).expand(len(seqs), -1), target.new_cache(T, batch=len(seqs)), 0,
+        logits, _ = target(ids, torch.arange(T, device=target.device).expand(len(seqs), -1), target.new_cache(T, batch=len(seqs)), 0,
                            causal=True)
+    logits = logits.cpu()
     P = len(prompt)
     joint = {}
     for r, s in enumerate(seqs):

@@ -4,8 +4,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import WeightPack, linear
+
+# CUDA attention backends, cuDNN left out: it builds an execution plan for every new key length, and a decode
+# step's key length is always new (measured on an H200 in bf16: 1.5 ms of host time per call, 70% of a round).
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -97,14 +102,10 @@ class QKVProjection(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B,T,H] -> q [B,h,T,d], k/v [B,kv,T,d] with RoPE applied at the given cos/sin [B,T,d]."""
         B, T, _ = x.shape
-        q, k, v = linear(x, *self.qkv(), self._qkv_pack).split(self._split, dim=-1)
-        q = q.view(B, T, self.heads, self.head_dim)
-        k = k.view(B, T, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        return q, k, v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        heads = linear(x, *self.qkv(), self._qkv_pack).view(B, T, -1, self.head_dim)  # q | k | v heads
+        qk = self.qk_rope(heads[:, :, :self.heads], heads[:, :, self.heads:self.heads + self.kv_heads], cos, sin)
+        q, k = qk.transpose(1, 2).split([self.heads, self.kv_heads], dim=1)
+        return q, k, heads[:, :, self.heads + self.kv_heads:].transpose(1, 2)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys and values only (the drafter's context rows never ask for queries)."""
@@ -112,17 +113,31 @@ class QKVProjection(nn.Module):
         w, b = self.qkv()
         kv_w = w[self._split[0]:]
         kv_b = None if b is None else b[self._split[0]:]
-        k, v = linear(x, kv_w, kv_b, self._kv_pack).split(self._split[1:], dim=-1)
-        k = k.view(B, T, self.kv_heads, self.head_dim)
-        if self.k_norm is not None:
+        heads = linear(x, kv_w, kv_b, self._kv_pack).view(B, T, -1, self.head_dim)  # k | v heads
+        k = self.qk_rope(None, heads[:, :, :self.kv_heads], cos, sin)
+        return k.transpose(1, 2), heads[:, :, self.kv_heads:].transpose(1, 2)
+
+    def qk_rope(self, q: torch.Tensor | None, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Per-head norms (Qwen3), then RoPE on the query and key heads [B,T,*,d] together -> [B,T,h+kv,d].
+
+        One rotation over q and k at once halves the small ops of a decode step, which on CPU cost more
+        than their arithmetic."""
+        if self.q_norm is not None:
             k = self.k_norm(k)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        return k, v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = None if q is None else self.q_norm(q)
+        qk = k if q is None else torch.cat((q, k), dim=2)
+        return apply_rope(qk, cos.unsqueeze(2), sin.unsqueeze(2))
 
     def sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
         """q [B,h,T,d] over k/v [B,kv,S,d]; mask is a bool [B|1,1,T,S] (True = visible) or None."""
         # q follows the cache's dtype: CPU caches are fp32 because torch's bf16 CPU attention kernels are an
         # order of magnitude slower than its fp32 ones at decode shapes.
+        if q.is_cuda:
+            with sdpa_kernel(CUDA_SDPA_BACKENDS):
+                return self._attention(q, k, v, mask, causal)
+        return self._attention(q, k, v, mask, causal)
+
+    def _attention(self, q, k, v, mask, causal) -> torch.Tensor:
         return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
                                               is_causal=causal and mask is None,
                                               enable_gqa=self.heads != self.kv_heads)
@@ -149,15 +164,10 @@ class QKVProjection(nn.Module):
         return self.output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,h,T,d]; cos/sin [B,T,d] already in x's dtype."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    """x [..., d]; cos/sin broadcastable to it, in x's dtype, sin with rotate-half's sign folded in
+    (RotaryTable): rotate_half(x) * sin == roll(x, d/2) * signed sin, one op instead of three."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class RotaryTable(nn.Module):
@@ -185,7 +195,10 @@ class RotaryTable(nn.Module):
         freqs = torch.outer(pos, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scale).to(dtype=dtype, device=device), persistent=False)
+        sin = emb.sin() * scale
+        sin[:, :head_dim // 2] *= -1  # rotate_half's sign (apply_rope)
+        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
 
     def forward(self, positions: torch.Tensor):
+        """cos and signed sin [B,T,d] for positions [B,T]."""
         return self.cos[positions], self.sin[positions]
