@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..kernels import WeightPack, linear
 
 # CUDA attention backends, cuDNN left out: it builds an execution plan for every new key length, and a decode
-# step's key length is always new (measured on an H200 in bf16: 1.5 ms of host time per call, 70% of a round).
+# step's key length is always new (on an H200 in bf16 a cast round at N = 63 took 3.8x longer with it; README).
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -93,7 +93,7 @@ class QKVProjection(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
-        self._split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        self._q_rows = heads * head_dim  # rows of the fused q|k|v matrix that belong to q
         self._qkv_pack, self._kv_pack, self._o_pack = WeightPack(), WeightPack(), WeightPack()
 
     def qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -111,8 +111,8 @@ class QKVProjection(nn.Module):
         """Keys and values only (the drafter's context rows never ask for queries)."""
         B, T, _ = x.shape
         w, b = self.qkv()
-        kv_w = w[self._split[0]:]
-        kv_b = None if b is None else b[self._split[0]:]
+        kv_w = w[self._q_rows:]
+        kv_b = None if b is None else b[self._q_rows:]
         heads = linear(x, kv_w, kv_b, self._kv_pack).view(B, T, -1, self.head_dim)  # k | v heads
         k = self.qk_rope(None, heads[:, :, :self.kv_heads], cos, sin)
         return k.transpose(1, 2), heads[:, :, self.kv_heads:].transpose(1, 2)
@@ -120,8 +120,8 @@ class QKVProjection(nn.Module):
     def qk_rope(self, q: torch.Tensor | None, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Per-head norms (Qwen3), then RoPE on the query and key heads [B,T,*,d] together -> [B,T,h+kv,d].
 
-        One rotation over q and k at once halves the small ops of a decode step, which on CPU cost more
-        than their arithmetic."""
+        One rotation over q and k at once: on CPU a decode step's small ops cost more than their arithmetic,
+        and this halves RoPE's."""
         if self.q_norm is not None:
             k = self.k_norm(k)
             q = None if q is None else self.q_norm(q)
@@ -171,7 +171,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RotaryTable(nn.Module):
-    """cos/sin for every position up to max_positions, from transformers' RoPE init functions.
+    """cos and sign-folded sin (see apply_rope) for every position up to max_positions, from transformers'
+    RoPE init functions.
 
     Precomputing the table turns RoPE into one gather per forward; positions are explicit (tree nodes sit at
     prefix length + depth, not at their slot in the pack).
