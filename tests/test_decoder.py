@@ -70,3 +70,23 @@ def test_packed_tree_equals_separate_forwards(pair):
         seq = torch.cat([prefix, torch.tensor([[root, *reversed(path)]], device=dev)], dim=1)
         ref = hf(seq).logits[0, -1]
         torch.testing.assert_close(packed[0, row], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_spelled_out_kv_heads_equal_grouped_attention():
+    """The CUDA path for masked rows expands key/value heads instead of asking SDPA for grouped heads."""
+    import torch.nn.functional as F
+
+    from castspec.models.layers import repeat_kv
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 5, 8, generator=g)
+    k, v = torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g)
+    mask = torch.rand(1, 1, 5, 9, generator=g) > 0.4
+    mask[..., 0] = True  # every row sees at least one slot
+    grouped = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    spelled = F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask)
+    torch.testing.assert_close(spelled, grouped, rtol=1e-6, atol=1e-6)
+    # and against attention written out per head: query head i reads key/value head i // 3
+    for h in range(6):
+        w = (q[0, h] @ k[0, h // 3].T / 8 ** 0.5).masked_fill(~mask[0, 0], float("-inf")).softmax(-1)
+        torch.testing.assert_close(spelled[0, h], w @ v[0, h // 3], rtol=1e-5, atol=1e-5)

@@ -138,9 +138,14 @@ class QKVProjection(nn.Module):
         return self._attention(q, k, v, mask, causal)
 
     def _attention(self, q, k, v, mask, causal) -> torch.Tensor:
+        grouped = self.heads != self.kv_heads
+        if grouped and q.is_cuda and mask is not None:
+            # CUDA's flash and memory-efficient kernels take no grouped heads with a mask (only the math one
+            # does): spelled-out key/value heads let the memory-efficient kernel run a tree's masked rows
+            k, v = repeat_kv(k, self.heads // self.kv_heads), repeat_kv(v, self.heads // self.kv_heads)
+            grouped = False
         return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
-                                              is_causal=causal and mask is None,
-                                              enable_gqa=self.heads != self.kv_heads)
+                                              is_causal=causal and mask is None, enable_gqa=grouped)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output [B,h,T,d] -> o_proj over [B,T,h*d]."""
@@ -162,6 +167,11 @@ class QKVProjection(nn.Module):
             outs.append(self.sdpa(q[:, :, off:end], ks, vs, seg.mask, seg.causal))
             off = end
         return self.output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B,kv,S,d] -> [B,kv*groups,S,d], query head i reading key/value head i // groups (grouped-query attention)."""
+    return x.repeat_interleave(groups, dim=1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
