@@ -1,4 +1,5 @@
-"""Linear layers for inference on CPU: weights packed once into oneDNN's blocked layout.
+"""Linear layers for inference on CPU: castspec's own kernels for a few rows (castspec/native.py, on AVX-512
+CPUs), otherwise weights packed once into oneDNN's blocked layout.
 
 Decode steps, tree verification and drafting multiply 1-64 rows by every weight matrix, so they are bound
 by how fast weights stream from memory. torch's plain bf16 F.linear repacks the weight on every call and
@@ -16,6 +17,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from .native import skinny_linear
 
 log = logging.getLogger("castspec")
 
@@ -76,6 +79,10 @@ class WeightPack:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            pack: WeightPack | None = None) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        out = skinny_linear(x, weight)  # 1-16 rows on AVX-512 CPUs (castspec/native.py)
+        if out is not None:
+            return out if bias is None else out + bias
     if pack is not None and not torch.is_grad_enabled() and x.dtype == weight.dtype:
         packed = pack.get(weight)
         if packed is not None:

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from .cost import CostProfile, profile_key
+from . import native
 from .kernels import packing_available
 from .batch import run_round, synchronize
 from .config import DecodeConfig
@@ -41,6 +42,8 @@ def engine_key(engine) -> dict:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{torch.get_num_threads()}t"
     if dev.type == "cpu" and packing_available():
         name += "-packed"  # the packed linears changed every cost: profiles measured without them are stale
+    if dev.type == "cpu" and native.library() is not None:
+        name += f"-native{native.MAX_ROWS}"  # so did castspec's own kernels for 1-MAX_ROWS rows
     drafter = "none"
     if engine.drafter is not None:
         # the drafter's shape, not only where it came from: a retrained drafter at the same path (a new

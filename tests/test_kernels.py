@@ -1,8 +1,9 @@
-"""The packed CPU linear: same results as F.linear, and never stale after an in-place weight update."""
+"""CPU linears: the packed oneDNN path and castspec's own few-row kernels, against torch; fallbacks."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from castspec import native
 from castspec.kernels import WeightPack, linear, packing_available
 
 
@@ -40,3 +41,45 @@ def test_gradients_bypass_the_pack():
     out = linear(torch.randn(3, 4), w, None, WeightPack())
     out.sum().backward()
     assert w.grad is not None and w.grad.abs().sum() > 0
+
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="no AVX-512 BF16 CPU or no C compiler here")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inner", [24, 83, 576])  # tails of every length, and a real hidden size
+def test_native_kernels_match_torch(dtype, inner):
+    g = torch.Generator().manual_seed(inner)
+    w = torch.randn(37, inner, generator=g).to(dtype)
+    x = torch.randn(native.MAX_ROWS, inner, generator=g).to(dtype)
+    out = native.skinny_linear(x, w)
+    ref = (x.double() @ w.double().T).to(dtype)
+    # fp32: summation order only; bf16: the fp32 sum rounded once to bfloat16, so at most one bf16 ulp apart
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    # a row's result never depends on how many rows share the call (ar rows vs packed rows)
+    assert torch.equal(native.skinny_linear(x[1:2], w)[0], out[1])
+    # and `linear` takes this path for single rows without gradients, not with them
+    with torch.inference_mode():
+        assert torch.equal(linear(x[:1], w, None, WeightPack()), out[:1])
+    assert native.skinny_linear(torch.randn(native.MAX_ROWS + 1, inner).to(dtype), w) is None
+
+
+def test_native_kernels_fall_back_cleanly(monkeypatch, tmp_path, caplog):
+    native.library.cache_clear()
+    try:
+        monkeypatch.setenv("CASTSPEC_NATIVE", "0")
+        assert native.library() is None and native.skinny_linear(torch.randn(1, 8), torch.randn(4, 8)) is None
+        native.library.cache_clear()
+        monkeypatch.setenv("CASTSPEC_NATIVE", "1")
+        monkeypatch.setenv("CASTSPEC_CACHE", str(tmp_path))
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        assert native.library() is None  # on any CPU: no build, a warning, torch's kernels
+        if native.cpu_supported():
+            assert "native kernels unavailable" in caplog.text
+        x, w = torch.randn(1, 8), torch.randn(4, 8)
+        with torch.inference_mode():
+            torch.testing.assert_close(linear(x, w, None, WeightPack()), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    finally:
+        native.library.cache_clear()

@@ -43,9 +43,13 @@ def gemv_ms(target, repeats: int = 6) -> dict:
     reads (compare with the bandwidth floor). Each matrix is timed inside a sweep over all of them, so its
     weights come from memory as in a real step; the minimum over repeats, since noise only ever adds time.
 
-    `packed` is the engine's own kernel; on CPU `reduction` is an inductor-compiled multiply-and-sum (the other
-    single-row kernel torch offers here) and `best` takes the faster of the two for every matrix."""
-    from castspec.kernels import WeightPack, _compiled_rowdot, linear
+    On CPU: `native` is castspec's own kernel (castspec/native.py, what the engine runs for single rows where it
+    is available), `onednn` torch's oneDNN kernel on a pre-packed weight, `reduction` an inductor-compiled
+    multiply-and-sum; elsewhere `torch` is F.linear. `best` takes the fastest kernel for every matrix."""
+    import torch.nn.functional as F
+
+    from castspec import native
+    from castspec.kernels import WeightPack, _compiled_rowdot, packing_available
 
     # the matrices the forward multiplies: fused q|k|v and gate|up, o_proj, down_proj, the lm_head
     mats = [w for layer in target.model.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
@@ -53,10 +57,17 @@ def gemv_ms(target, repeats: int = 6) -> dict:
     mats.append(target.head_weight)
     packs = [WeightPack() for _ in mats]
     rows = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats]
-    kernels = {"packed": lambda x, w, p: linear(x, w, None, p)}
-    rowdot = _compiled_rowdot() if target.device.type == "cpu" else None
-    if rowdot is not None:
-        kernels["reduction"] = lambda x, w, p: rowdot(x, w.detach())  # plain tensors: one graph per dtype
+    kernels = {}
+    if target.device.type == "cpu":
+        if native.library() is not None:
+            kernels["native"] = lambda x, w, p: native.skinny_linear(x, w)
+        if packing_available():
+            kernels["onednn"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p.get(w), None, "none", [], "")
+        rowdot = _compiled_rowdot()
+        if rowdot is not None:
+            kernels["reduction"] = lambda x, w, p: rowdot(x, w.detach())  # plain tensors: one graph per dtype
+    if not kernels:
+        kernels["torch"] = lambda x, w, p: F.linear(x, w)
     best = {name: [float("inf")] * len(mats) for name in kernels}
     with torch.inference_mode():
         for _ in range(repeats):
