@@ -26,47 +26,48 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* R rows of X (stride ldx) dotted with one weight row w of length I; R is a constant at every call site, so
- * the loops over rows unroll and the accumulators stay in registers. */
+ * the loops over rows unroll (the pragmas insist) and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void dots_bf16(const uint16_t *w, const uint16_t *X, int64_t ldx,
                                                             int I, int R, float *out) {
     __m512 acc[8][UNROLL];
-    for (int m = 0; m < R; ++m)
-        for (int u = 0; u < UNROLL; ++u) acc[m][u] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
+        _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) acc[m][u] = _mm512_setzero_ps();
     int i = 0;
     for (; i + 32 * UNROLL <= I; i += 32 * UNROLL)
-        for (int u = 0; u < UNROLL; ++u) {
+        _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i + 32 * u);
-            for (int m = 0; m < R; ++m)
+            _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
                 acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(X + m * ldx + i + 32 * u));
         }
-    for (int u = 0; i < I; i += 32, u = (u + 1) % UNROLL) {  /* the rest, a masked final vector included */
+    for (; i < I; i += 32) {  /* the rest, a masked final vector included, into the first accumulator (a fixed
+                                index: a computed one would keep the accumulators out of registers) */
         const __mmask32 k = I - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (I - i)) - 1u);
         const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(k, w + i);
-        for (int m = 0; m < R; ++m)
-            acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_maskz_loadu_epi16(k, X + m * ldx + i));
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(k, X + m * ldx + i));
     }
-    for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
 static inline __attribute__((always_inline)) void dots_f32(const float *w, const float *X, int64_t ldx, int I,
                                                            int R, float *out) {
     __m512 acc[8][UNROLL];
-    for (int m = 0; m < R; ++m)
-        for (int u = 0; u < UNROLL; ++u) acc[m][u] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
+        _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) acc[m][u] = _mm512_setzero_ps();
     int i = 0;
     for (; i + 16 * UNROLL <= I; i += 16 * UNROLL)
-        for (int u = 0; u < UNROLL; ++u) {
+        _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) {
             const __m512 wv = _mm512_loadu_ps(w + i + 16 * u);
-            for (int m = 0; m < R; ++m)
+            _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
                 acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(X + m * ldx + i + 16 * u), acc[m][u]);
         }
-    for (int u = 0; i < I; i += 16, u = (u + 1) % UNROLL) {
+    for (; i < I; i += 16) {
         const __mmask16 k = I - i >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (I - i)) - 1u);
         const __m512 wv = _mm512_maskz_loadu_ps(k, w + i);
-        for (int m = 0; m < R; ++m)
-            acc[m][u] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(k, X + m * ldx + i), acc[m][u]);
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
+            acc[m][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(k, X + m * ldx + i), acc[m][0]);
     }
-    for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
 /* Groups of 8, 4, 2, 1 rows, each with its register-resident accumulators. */
