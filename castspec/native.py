@@ -1,7 +1,7 @@
 """castspec/csrc/skinny.c: matrix products of a few rows on AVX-512 CPUs, compiled at first use.
 
-Why: a decode step multiplies one row (a verify or drafter pass, a few more) by every weight matrix, so its
-time is the time to stream the weights. At these shapes torch's kernels here (oneDNN on a pre-packed weight,
+Why: a decode step multiplies one row by every weight matrix (a verify or a drafter pass, a few more), so
+its time is the time to stream the weights. At these shapes torch's kernels here (oneDNN on a pre-packed weight,
 an inductor-compiled reduction) stream bf16 weights at about half the machine's read rate;
 `python -m castspec.bench.engine` times them side by side (`gemv_ms`). The kernel is plain C with AVX-512
 intrinsics (no torch headers), so it builds in about a second with the system C compiler, and is cached under
@@ -28,6 +28,7 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopen
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # Above this many rows oneDNN's blocked GEMM is faster on the machine this was tuned on.
 MAX_ROWS = 2
+KERNEL_MAX_ROWS = 64  # what skinny.c itself takes (its per-thread output buffer)
 _ENTRY = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
 
@@ -90,6 +91,8 @@ def library():
 
 def _call(lib, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, I = x2.shape
+    if M > KERNEL_MAX_ROWS:
+        raise ValueError(f"skinny kernels take at most {KERNEL_MAX_ROWS} rows, got {M}")
     out = torch.empty(M, w.shape[0], dtype=x2.dtype)
     getattr(lib, _ENTRY[x2.dtype])(w.data_ptr(), x2.data_ptr(), out.data_ptr(), M, w.shape[0], I, x2.stride(0),
                                    out.stride(0))
