@@ -77,17 +77,26 @@ class WeightPack:
         return self._packed
 
 
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  pack: WeightPack) -> torch.Tensor | None:
+    """oneDNN's kernel on the packed weight, or None where packing does not apply."""
+    if x.dtype != weight.dtype:
+        return None
+    packed = pack.get(weight)
+    return None if packed is None else torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            pack: WeightPack | None = None) -> torch.Tensor:
-    if not torch.is_grad_enabled():
-        out = skinny_linear(x, weight)  # 1-16 rows on AVX-512 CPUs (castspec/native.py)
-        if out is not None:
-            return out if bias is None else out + bias
-    if pack is not None and not torch.is_grad_enabled() and x.dtype == weight.dtype:
-        packed = pack.get(weight)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if x.device.type == "cpu" and x.numel() == x.shape[-1] and not torch.is_grad_enabled():
+    if torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    out = skinny_linear(x, weight)  # 1-MAX_ROWS rows on AVX-512 CPUs (castspec/native.py)
+    if out is not None:
+        return out if bias is None else out + bias
+    out = packed_linear(x, weight, bias, pack) if pack is not None else None
+    if out is not None:
+        return out
+    if x.device.type == "cpu" and x.numel() == x.shape[-1]:
         fn = _compiled_rowdot()
         if fn is not None:
             # plain tensors (not Parameters) so one compiled graph per dtype serves every weight

@@ -49,7 +49,7 @@ def gemv_ms(target, repeats: int = 6) -> dict:
     import torch.nn.functional as F
 
     from castspec import native
-    from castspec.kernels import WeightPack, _compiled_rowdot, packing_available
+    from castspec.kernels import WeightPack, _compiled_rowdot, packed_linear, packing_available
 
     # the matrices the forward multiplies: fused q|k|v and gate|up, o_proj, down_proj, the lm_head
     mats = [w for layer in target.model.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
@@ -62,7 +62,7 @@ def gemv_ms(target, repeats: int = 6) -> dict:
         if native.library() is not None:
             kernels["native"] = lambda x, w, p: native.skinny_linear(x, w)
         if packing_available():
-            kernels["onednn"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p.get(w), None, "none", [], "")
+            kernels["onednn"] = lambda x, w, p: packed_linear(x, w, None, p)
         rowdot = _compiled_rowdot()
         if rowdot is not None:
             kernels["reduction"] = lambda x, w, p: rowdot(x, w.detach())  # plain tensors: one graph per dtype
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
         report["read_bandwidth_gbps"] = bw
         floor = weight_bytes / (bw * 1e9) * 1e3
         entry = {"transformers_ms_per_token": hf_ms, "castspec_ar_ms_per_token": ours, "speedup_vs_transformers":
-                 hf_ms / ours, "weight_bytes": weight_bytes, "bandwidth_floor_ms": floor, "ratio_to_floor": ours / floor,
+                 hf_ms / ours, "weight_bytes": weight_bytes, "read_bandwidth_gbps": bw, "bandwidth_floor_ms": floor,
+                 "ratio_to_floor": ours / floor,
                  "gemv_ms": gemv, "gemv_best_ratio_to_floor": gemv["best"] / floor, "per_prompt": rows}
         if engine.drafter is None:
             from transformers import AutoConfig

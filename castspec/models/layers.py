@@ -132,18 +132,19 @@ class QKVProjection(nn.Module):
         """q [B,h,T,d] over k/v [B,kv,S,d]; mask is a bool [B|1,1,T,S] (True = visible) or None."""
         # q follows the cache's dtype: CPU caches are fp32 because torch's bf16 CPU attention kernels are an
         # order of magnitude slower than its fp32 ones at decode shapes.
-        if q.is_cuda:
-            with sdpa_kernel(CUDA_SDPA_BACKENDS):
-                return self._attention(q, k, v, mask, causal)
-        return self._attention(q, k, v, mask, causal)
-
-    def _attention(self, q, k, v, mask, causal) -> torch.Tensor:
         grouped = self.heads != self.kv_heads
-        if grouped and q.is_cuda and mask is not None:
+        if not q.is_cuda:
+            return self._attention(q, k, v, mask, causal, grouped)
+        if grouped and mask is not None:
             # CUDA's flash and memory-efficient kernels take no grouped heads with a mask (only the math one
             # does): spelled-out key/value heads let the memory-efficient kernel run a tree's masked rows
             k, v = repeat_kv(k, self.heads // self.kv_heads), repeat_kv(v, self.heads // self.kv_heads)
             grouped = False
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            return self._attention(q, k, v, mask, causal, grouped)
+
+    @staticmethod
+    def _attention(q, k, v, mask, causal, grouped) -> torch.Tensor:
         return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
                                               is_causal=causal and mask is None, enable_gqa=grouped)
 
