@@ -23,7 +23,8 @@ import torch
 
 log = logging.getLogger("castspec")
 
-SOURCE = Path(__file__).parent / "csrc" / "skinny.c"
+# skinny.c: the products; step.c: a whole single-token decode step built on them (models/native_step.py)
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("skinny.c", "step.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # Above this many rows oneDNN's blocked GEMM is faster on the machine this was tuned on.
@@ -43,7 +44,7 @@ def cpu_supported() -> bool:
 def _build(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(tmp)], check=True,
+    subprocess.run([os.environ.get("CC", "cc"), *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True,
                    capture_output=True, timeout=120)
     os.replace(tmp, out)  # atomic, so processes building at once never load a half-written library
 
@@ -68,8 +69,8 @@ def library():
         return None
     from .models.load import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = cache_dir() / "native" / f"skinny-{key}.so"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / f"castspec-{key}.so"
     try:
         if not path.exists():
             _build(path)
@@ -83,6 +84,10 @@ def library():
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
         fn.restype = None
+    step = lib.decode_step
+    step.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                     *[ctypes.c_void_p] * 3]
+    step.restype = ctypes.c_int
     if not _self_check(lib):
         log.warning("castspec: native kernels disagree with torch on this machine; using torch's")
         return None

@@ -5,6 +5,8 @@ what each row may see, and which rows need logits.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 
@@ -12,6 +14,9 @@ from ..cache import KVCache, Segment, cache_dtype
 from ..config import TargetConfig
 from ..kernels import WeightPack, linear
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
+from .native_step import NativeStep, applies
+
+log = logging.getLogger("castspec")
 
 
 class DecoderLayer(nn.Module):
@@ -43,6 +48,11 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         self.rope = RotaryTable(rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, dtype, device)
         self._head_pack = WeightPack()
+        self._native_step: NativeStep | None | bool = False  # False: not looked up yet; None: does not apply
+
+    def _apply(self, fn, *args, **kwargs):
+        self._native_step = False  # weights moved or changed dtype: step.c's pointers would be stale
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -88,6 +98,11 @@ class Decoder(nn.Module):
                          logit_rows: torch.Tensor | slice | None = None, taps: tuple[int, ...] = ()):
         """The ragged forward: the rows of ids/positions [B,T] are split, in order, into `segments`, each with
         its own cache, slots and mask (one request each when serving). Returns as `forward`."""
+        if ids.numel() == 1 and len(segments) == 1 and segments[0].mask is None and len(set(taps)) == len(taps) \
+                and not torch.is_grad_enabled() and (logit_rows is None or _only_row_zero(logit_rows)):
+            out = self._single_token(ids, positions, segments[0], taps)
+            if out is not None:
+                return out
         x = self.embed(ids)
         cos, sin = self.rope(positions)
         tapped = []
@@ -102,3 +117,41 @@ class Decoder(nn.Module):
             features = torch.cat([tapped[order[t]] for t in taps], dim=-1)
         rows = x if logit_rows is None else x[:, logit_rows]
         return self.logits(rows), features
+
+    def _single_token(self, ids: torch.Tensor, positions: torch.Tensor, seg: Segment, taps: tuple[int, ...]):
+        """One decode row through step.c, returned as `forward_segments` does, or None where step.c does not
+        apply (the torch forward runs then).
+
+        The model's first native step is also run through torch (writing the same cache slot again) and the
+        two compared: a disagreement, which only a platform or shape step.c mishandles can cause, turns the
+        native step off for this model."""
+        if self._native_step is False:
+            self._native_step = NativeStep.for_decoder(self)
+        step = self._native_step
+        if step is None or ids.device.type != "cpu" or not applies(seg.cache):
+            return None
+        token, position = int(ids.view(-1)[0]), int(positions.view(-1)[0])
+        logits, features = step(token, position, seg.cache, seg.start, taps)
+        out = logits.view(1, 1, -1), None if features is None else features.view(1, 1, -1)
+        if not step.checked:
+            self._native_step = None
+            ref = self.forward_segments(ids, positions, [seg], taps=taps)
+            if not all(_close(a, b, self.dtype) for a, b in zip(out, ref) if b is not None):
+                log.warning("castspec: the native decode step disagrees with the torch forward on this model; "
+                            "using torch's")
+                return ref
+            self._native_step = step
+            step.checked = True
+        return out
+
+
+def _close(a: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Equal up to rounding: relative to the largest value, as logits and hidden states have no fixed scale."""
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    return torch.allclose(a.float(), ref.float(), rtol=0, atol=tol * max(ref.abs().max().item(), 1.0))
+
+
+def _only_row_zero(rows) -> bool:
+    if isinstance(rows, slice):
+        return rows.indices(1) == (0, 1, 1)
+    return rows.numel() == 1 and int(rows.view(-1)[0]) == 0
