@@ -43,7 +43,8 @@ def engine_key(engine) -> dict:
     if dev.type == "cpu" and packing_available():
         name += "-packed"  # the packed linears changed every cost: profiles measured without them are stale
     if dev.type == "cpu" and native.library() is not None:
-        name += f"-native{native.MAX_ROWS}"  # so did castspec's own kernels for 1-MAX_ROWS rows
+        # so did castspec's own kernels for 1-MAX_ROWS rows, and its native single-token step
+        name += f"-native{native.MAX_ROWS}-step"
     drafter = "none"
     if engine.drafter is not None:
         # the drafter's shape, not only where it came from: a retrained drafter at the same path (a new

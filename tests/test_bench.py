@@ -105,8 +105,10 @@ def test_engine_benchmark_end_to_end(tmp_path):
                               "--prompts", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     entry = report["dtypes"]["fp32"]
-    assert report["read_bandwidth_gbps"] > 0 and entry["weight_bytes"] > 0
+    assert entry["bandwidth_floor_ms"] > 0 and entry["weight_bytes"] > 0
     assert entry["castspec_ar_ms_per_token"] > 0 and entry["transformers_ms_per_token"] > 0
+    row = entry["per_prompt"][0]
+    assert row["ratio_to_floor"] == pytest.approx(row["ours_decode_step"] / row["bandwidth_floor_ms"])
     gemv = entry["gemv_ms"]
     # the per-matrix best of the kernels can only be at or below each kernel's own total
     assert 0 < gemv["best"] <= min(v for k, v in gemv.items() if k != "best")
