@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger("castspec")
 
-# skinny.c: the products; step.c: a whole single-token decode step built on them (models/native_step.py)
+# skinny.c: the products; step.c: whole forwards of a few rows built on them (models/native_step.py)
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("skinny.c", "step.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -84,10 +84,11 @@ def library():
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
         fn.restype = None
-    step = lib.decode_step
-    step.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                     *[ctypes.c_void_p] * 3]
-    step.restype = ctypes.c_int
+    rows = lib.forward_rows  # step.c; its Python side is models/native_step.py
+    rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    rows.restype = ctypes.c_int
     if not _self_check(lib):
         log.warning("castspec: native kernels disagree with torch on this machine; using torch's")
         return None

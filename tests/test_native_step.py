@@ -1,11 +1,15 @@
-"""The single-token decode step in native code (castspec/csrc/step.c) against the torch forward."""
+"""Forwards of a few rows in native code (castspec/csrc/step.c) against the torch forward: decode steps,
+causal prefill chunks, packed trees."""
 import logging
 
 import pytest
 import torch
 
 from castspec import native
+from castspec.models import native_step
 from castspec.models.native_step import NativeStep
+from castspec.pack import pack_tree
+from castspec.tree import build_tree
 from conftest import llama_config, make_hf
 from conftest import native as native_target
 from conftest import qwen3_config
@@ -84,9 +88,9 @@ def test_disagreeing_native_step_turns_itself_off(monkeypatch, caplog):
     """The first native step is compared with torch's; a wrong one is reported once and never used."""
     calls = []
 
-    def broken(self, token, position, cache, slot, taps=()):
-        calls.append(slot)
-        return torch.zeros(self._model.vocab), None
+    def broken(self, ids, positions, cache, start, mask, logit_rows, taps=()):
+        calls.append(start)
+        return torch.zeros(logit_rows.numel(), self._model.vocab), None
 
     monkeypatch.setattr(NativeStep, "__call__", broken)
     target, ref = native_target(make_hf(llama_config(), seed=3)), native_target(make_hf(llama_config(), seed=3))
@@ -98,5 +102,56 @@ def test_disagreeing_native_step_turns_itself_off(monkeypatch, caplog):
             got, _ = target(torch.tensor([[9]]), torch.tensor([[slot]]), c1, slot)
             want, _ = ref(torch.tensor([[9]]), torch.tensor([[slot]]), c2, slot)
             torch.testing.assert_close(got, want)
-    assert calls == [5] and target._native_step is None
+    assert calls == [0] and target._native_step is None  # the prompt's forward was the first native one
     assert "disagrees" in caplog.text
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_native_prefill_and_tree_match_torch(name, dtype):
+    """A causal prefill chunk and packed trees (ancestor-only masks, positions = prefix + depth) through step.c:
+    the logits of the rows asked for, every row's tapped features and the cache agree with torch's."""
+    cfg = CONFIGS[name]()
+    fast, ref = native_target(make_hf(cfg, seed=5), dtype), native_target(make_hf(cfg, seed=5), dtype)
+    _torch_only(ref)
+    g = torch.Generator().manual_seed(1)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+
+    def same(a, b):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * max(b.abs().max().item(), 1.0))
+
+    with torch.inference_mode():
+        caches = fast.new_cache(64), ref.new_cache(64)
+        prompt = torch.randint(0, cfg.vocab_size, (1, 11), generator=g)
+        pos = torch.arange(11).view(1, -1)
+        last = torch.tensor([10])
+        out = [m(prompt, pos, c, 0, causal=True, logit_rows=last, taps=(2,)) for m, c in zip((fast, ref), caches)]
+        assert out[0][0].shape == (1, 1, cfg.vocab_size) and out[0][1].shape == (1, 11, cfg.hidden_size)
+        same(out[0][0], out[1][0])
+        same(out[0][1], out[1][1])
+        start = 11
+        for width in (1, 5, native_step.MAX_ROWS - 1):
+            lp = torch.log_softmax(torch.randn(4, cfg.vocab_size, generator=g) * 3, dim=-1)
+            pack = pack_tree(build_tree(lp, width, 4), 7, start, "cpu")
+            out = [m(pack.ids, pack.positions, c, start, mask=pack.mask, taps=(0, 3)) for m, c in zip((fast, ref), caches)]
+            same(out[0][0], out[1][0])
+            same(out[0][1], out[1][1])
+            start += width + 1  # keep the tree in the cache: the next one attends over it (visible prefix)
+        assert fast._native_step.checked
+        same(caches[0].k[:, :, :, :start], caches[1].k[:, :, :, :start])
+        same(caches[0].v[:, :, :, :start], caches[1].v[:, :, :, :start])
+
+
+@needs_native
+def test_forwards_beyond_the_row_limit_run_on_torch(monkeypatch):
+    calls = []
+    real = NativeStep.__call__
+    monkeypatch.setattr(NativeStep, "__call__", lambda self, ids, *a, **k: calls.append(ids.numel()) or real(self, ids, *a, **k))
+    target = native_target(make_hf(llama_config()))
+    with torch.inference_mode():
+        cache = target.new_cache(64)
+        n = native_step.MAX_ROWS + 1
+        target(torch.arange(n).view(1, -1) % 40, torch.arange(n).view(1, -1), cache, 0, causal=True)
+        target(torch.tensor([[3]]), torch.tensor([[n]]), cache, n)
+    assert calls == [1]

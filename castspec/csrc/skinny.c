@@ -16,6 +16,11 @@
 /* Two accumulators per input row (even and odd vectors): enough independent chains to keep the loads
  * streaming, and the same for every group size, so the summation order never depends on M. */
 #define UNROLL 2
+/* Groups of 4+ rows compute long enough per weight row that the hardware prefetcher falls behind: they fetch
+ * the weight row PREFETCH_ROWS ahead themselves (measured: 8 rows 1.5x faster, 1-2 rows slower with it). */
+#define PREFETCH_ROWS 4
+/* Weight rows per block: a block's rows stay in L1/L2 while every row group of the input passes over them. */
+#define OBLOCK 32
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -29,16 +34,19 @@ static inline uint16_t f32_to_bf16(float f) {
  * the loops over rows unroll (the pragmas insist) and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void dots_bf16(const uint16_t *w, const uint16_t *X, int64_t ldx,
                                                             int I, int R, float *out) {
+    const char *ahead = (const char *)(w + (int64_t)PREFETCH_ROWS * I);
     __m512 acc[8][UNROLL];
     _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
         _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) acc[m][u] = _mm512_setzero_ps();
     int i = 0;
-    for (; i + 32 * UNROLL <= I; i += 32 * UNROLL)
+    for (; i + 32 * UNROLL <= I; i += 32 * UNROLL) {
+        if (R >= 4) _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) _mm_prefetch(ahead + 2 * (i + 32 * u), _MM_HINT_T0);
         _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i + 32 * u);
             _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
                 acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(X + m * ldx + i + 32 * u));
         }
+    }
     for (; i < I; i += 32) {  /* the rest, a masked final vector included, into the first accumulator (a fixed
                                 index: a computed one would keep the accumulators out of registers) */
         const __mmask32 k = I - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (I - i)) - 1u);
@@ -51,16 +59,19 @@ static inline __attribute__((always_inline)) void dots_bf16(const uint16_t *w, c
 
 static inline __attribute__((always_inline)) void dots_f32(const float *w, const float *X, int64_t ldx, int I,
                                                            int R, float *out) {
+    const char *ahead = (const char *)(w + (int64_t)PREFETCH_ROWS * I);
     __m512 acc[8][UNROLL];
     _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
         _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) acc[m][u] = _mm512_setzero_ps();
     int i = 0;
-    for (; i + 16 * UNROLL <= I; i += 16 * UNROLL)
+    for (; i + 16 * UNROLL <= I; i += 16 * UNROLL) {
+        if (R >= 4) _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) _mm_prefetch(ahead + 4 * (i + 16 * u), _MM_HINT_T0);
         _Pragma("GCC unroll 2") for (int u = 0; u < UNROLL; ++u) {
             const __m512 wv = _mm512_loadu_ps(w + i + 16 * u);
             _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
                 acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(X + m * ldx + i + 16 * u), acc[m][u]);
         }
+    }
     for (; i < I; i += 16) {
         const __mmask16 k = I - i >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (I - i)) - 1u);
         const __m512 wv = _mm512_maskz_loadu_ps(k, w + i);
@@ -70,32 +81,36 @@ static inline __attribute__((always_inline)) void dots_f32(const float *w, const
     _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
-/* Groups of 8, 4, 2, 1 rows, each with its register-resident accumulators. */
-#define ROW_GROUPS(DOTS, w, X, ldx, M, I, out)                                   \
-    for (int m0 = 0; m0 < (M);) {                                                \
-        const int left = (M) - m0;                                               \
-        if (left >= 8) { DOTS(w, X + m0 * (ldx), ldx, I, 8, out + m0); m0 += 8; } \
-        else if (left >= 4) { DOTS(w, X + m0 * (ldx), ldx, I, 4, out + m0); m0 += 4; } \
-        else if (left >= 2) { DOTS(w, X + m0 * (ldx), ldx, I, 2, out + m0); m0 += 2; } \
-        else { DOTS(w, X + m0 * (ldx), ldx, I, 1, out + m0); m0 += 1; }           \
+/* Output rows [ob, oe) for input rows [m0, m0 + R): one register-resident group of R rows. */
+#define GROUP(DOTS, CONVERT, R)                                                                       \
+    for (int o = ob; o < oe; ++o) {                                                                  \
+        float out[8];                                                                                \
+        DOTS(W + (int64_t)o * I, X + (int64_t)m0 * ldx, (int64_t)ldx, I, R, out);                     \
+        for (int m = 0; m < R; ++m) Y[(int64_t)(m0 + m) * ldy + o] = CONVERT(out[m]);                 \
+    }                                                                                                \
+    m0 += R;
+
+/* Weight rows split across threads in blocks; every block meets the input rows in groups of 8, 4, 2, 1. */
+#define SKINNY(DOTS, CONVERT)                                                                         \
+    _Pragma("omp parallel for schedule(static)") for (int ob = 0; ob < O; ob += OBLOCK) {             \
+        const int oe = ob + OBLOCK < O ? ob + OBLOCK : O;                                            \
+        for (int m0 = 0; m0 < M;) {                                                                  \
+            const int left = M - m0;                                                                 \
+            if (left >= 8) { GROUP(DOTS, CONVERT, 8) }                                               \
+            else if (left >= 4) { GROUP(DOTS, CONVERT, 4) }                                          \
+            else if (left >= 2) { GROUP(DOTS, CONVERT, 2) }                                          \
+            else { GROUP(DOTS, CONVERT, 1) }                                                         \
+        }                                                                                            \
     }
 
-/* bf16 in, bf16 out, fp32 accumulation (VDPBF16PS: pairs of products summed into fp32 lanes). M <= 64. */
+static inline float as_is(float f) { return f; }
+
+/* bf16 in, bf16 out, fp32 accumulation (VDPBF16PS: pairs of products summed into fp32 lanes). */
 void skinny_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, int M, int O, int I, int ldx, int ldy) {
-#pragma omp parallel for schedule(static)
-    for (int o = 0; o < O; ++o) {
-        float out[64];
-        ROW_GROUPS(dots_bf16, W + (int64_t)o * I, X, (int64_t)ldx, M, I, out)
-        for (int m = 0; m < M; ++m) Y[(int64_t)m * ldy + o] = f32_to_bf16(out[m]);
-    }
+    SKINNY(dots_bf16, f32_to_bf16)
 }
 
-/* fp32 in and out, fp32 fused multiply-adds. M <= 64. */
+/* fp32 in and out, fp32 fused multiply-adds. */
 void skinny_f32(const float *W, const float *X, float *Y, int M, int O, int I, int ldx, int ldy) {
-#pragma omp parallel for schedule(static)
-    for (int o = 0; o < O; ++o) {
-        float out[64];
-        ROW_GROUPS(dots_f32, W + (int64_t)o * I, X, (int64_t)ldx, M, I, out)
-        for (int m = 0; m < M; ++m) Y[(int64_t)m * ldy + o] = out[m];
-    }
+    SKINNY(dots_f32, as_is)
 }

@@ -1,9 +1,9 @@
-/* One decode step of a Llama / Qwen3 decoder for a single token, in one native call.
+/* A forward of a few rows (a decode step, a packed tree) through a Llama / Qwen3 decoder in one native call.
  *
- * A decode step streams every weight once and does little else, yet in eager torch its ~50 small ops per
+ * Such a forward streams every weight once and does little else, yet in eager torch its ~50 small ops per
  * layer (norms, RoPE, cache writes, attention, residuals) cost more than the weight reads on a 2-core CPU.
- * Here the whole step is one call: the products use skinny.c's kernels, everything between them is plain C
- * on a few hundred floats. Values are rounded to the model's dtype exactly where the torch forward
+ * Here the whole forward is one call: the products use skinny.c's kernels, everything between them is plain
+ * C on a few thousand floats. Values are rounded to the model's dtype exactly where the torch forward
  * (castspec/models/decoder.py) rounds them, so both paths compute the same function up to the summation order
  * inside attention and the rounding of exp.
  *
@@ -64,20 +64,21 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
     for (int i = 0; i < n; ++i) out[i] = rnd(m, at(m, w, i) * rnd(m, x[i] * r));
 }
 
-/* y[O] = round(W[O, I] . x + b): the product in the model's dtype through skinny.c, the bias added after
- * rounding, as kernels.linear does for a single row. xs is scratch of I model-dtype elements. */
-static void linear(const StepModel *m, const void *W, const void *b, const float *x, int O, int I, void *xs,
-                   void *ys, float *y) {
+/* Y[M, O] = round(X[M, I] . W[O, I]^T + b): the products in the model's dtype through skinny.c, the bias
+ * added after rounding, as kernels.linear does. xs / ys are scratch of M*I / M*O model-dtype elements. */
+static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
+                   void *xs, void *ys, float *Y) {
+    const int64_t n_in = (int64_t)M * I, n_out = (int64_t)M * O;
     if (m->bf16) {
         uint16_t *xb = xs, *yb = ys;
-        for (int i = 0; i < I; ++i) xb[i] = to_bf16(x[i]);
-        skinny_bf16(W, xb, yb, 1, O, I, I, O);
-        for (int o = 0; o < O; ++o) y[o] = bf16_to_f32(yb[o]);
+        for (int64_t i = 0; i < n_in; ++i) xb[i] = to_bf16(X[i]);
+        skinny_bf16(W, xb, yb, M, O, I, I, O);
+        for (int64_t o = 0; o < n_out; ++o) Y[o] = bf16_to_f32(yb[o]);
     } else {
-        skinny_f32(W, x, y, 1, O, I, I, O);
+        skinny_f32(W, X, Y, M, O, I, I, O);
     }
     if (b)
-        for (int o = 0; o < O; ++o) y[o] = rnd(m, y[o] + at(m, b, o));
+        for (int64_t o = 0; o < n_out; ++o) Y[o] = rnd(m, Y[o] + at(m, b, o % O));
 }
 
 /* RoPE on one head in place: x * cos + roll(x, d/2) * signed sin, each product and the sum rounded. */
@@ -91,109 +92,183 @@ static void rope(const StepModel *m, float *x, int64_t pos) {
     memcpy(x, t, sizeof(float) * d);
 }
 
-static inline float dot16(const float *a, const float *b, int d) { /* d a multiple of 16 */
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+/* Sixteen vectors' horizontal sums as one vector (out[j] = sum of v[j]): a tree of lane shuffles and adds,
+ * ~4x cheaper than sixteen separate reductions. The tree leaves the sums 4x4-transposed; the last permute
+ * (its own inverse) puts them in order. */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; ++k)
+        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; ++k)
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; ++k)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * k], u[2 * k + 1]), _mm512_unpackhi_ps(u[2 * k], u[2 * k + 1]));
+    const __m512 r = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]))));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-/* Softmax attention of one query head over slots [0, S) of its key/value head; out[d] in fp32. */
-static void attend_head(const float *q, const float *K, const float *V, int S, int d, float scale, float *p,
-                        float *out) {
-    float mx = -INFINITY;
-    for (int s = 0; s < S; ++s) {
-        p[s] = dot16(q, K + (int64_t)s * d, d) * scale;
-        if (p[s] > mx) mx = p[s];
+/* exp on sixteen lanes (Cody-Waite range reduction and Cephes' expf polynomial, within 2 ulp of expf);
+ * inputs below -87 (masked scores) give ~1e-38, which callers zero. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Softmax attention of one query head over the slots [0, S) of its key/value head that `visible` allows
+ * (NULL: the first `upto` slots); out[d] in fp32. p is scratch of S rounded up to 16 floats. Scores go
+ * sixteen slots at a time (one horizontal-sum tree), exp sixteen lanes at a time. */
+static void attend_head(const float *q, const float *K, const float *V, int S, const uint8_t *visible, int upto,
+                        int d, float scale, float *p, float *out) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vmax = ninf;
+    for (int s0 = 0; s0 < S; s0 += 16) {
+        const int n = S - s0 < 16 ? S - s0 : 16;
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) {
+            acc[j] = _mm512_setzero_ps();
+            if (j < n)
+                for (int i = 0; i < d; i += 16)
+                    acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(K + (int64_t)(s0 + j) * d + i), acc[j]);
+        }
+        __mmask16 seen = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+        if (visible) {
+            const __m128i vis = _mm_maskz_loadu_epi8(seen, visible + s0);
+            seen &= _mm_test_epi8_mask(vis, vis);
+        } else {
+            const int below = upto - s0; /* slots s0 + j < upto */
+            seen &= below >= 16 ? (__mmask16)0xffff : below <= 0 ? (__mmask16)0 : (__mmask16)((1u << below) - 1u);
+        }
+        const __m512 sc = _mm512_mask_blend_ps(seen, ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(p + s0, sc);
+        vmax = _mm512_max_ps(vmax, sc);
     }
-    float sum = 0.f;
-    for (int s = 0; s < S; ++s) sum += (p[s] = expf(p[s] - mx));
-    const float inv = 1.f / sum;
-    for (int i = 0; i < d; i += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int s = 0; s < S; ++s)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(p[s]), _mm512_loadu_ps(V + (int64_t)s * d + i), acc);
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int s0 = 0; s0 < S; s0 += 16) {
+        const __m512 sc = _mm512_loadu_ps(p + s0);
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sc, ninf, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(sc, mx)));
+        _mm512_storeu_ps(p + s0, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    for (int i0 = 0; i0 < d; i0 += 128) { /* up to eight accumulators of the output at a time */
+        const int c = d - i0 < 128 ? (d - i0) / 16 : 8;
+        __m512 o[8];
+        for (int k = 0; k < 8; ++k) o[k] = _mm512_setzero_ps();
+        for (int s = 0; s < S; ++s) {
+            if (p[s] == 0.f) continue; /* masked, or too small to count */
+            const __m512 w = _mm512_set1_ps(p[s]);
+            for (int k = 0; k < c; ++k)
+                o[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + (int64_t)s * d + i0 + 16 * k), o[k]);
+        }
+        for (int k = 0; k < c; ++k) _mm512_storeu_ps(out + i0 + 16 * k, _mm512_mul_ps(o[k], inv));
     }
 }
 
-/* The step: token at RoPE position `pos`, its keys/values written to cache slot `slot`, attending to slots
- * [0, slot]. logits[vocab] receives the lm_head row (rounded to the model's dtype). With tap_slot (per layer:
- * -1, or j to store the layer's output hidden state as row j of taps_out [*, hidden] in the model's dtype)
- * it also returns the drafter's tapped features. Returns 0, or -1 when out of memory. Supported shapes
- * (checked by the caller): head_dim a multiple of 16 and at most 512. */
-int decode_step(const StepModel *m, int64_t token, int64_t pos, int64_t slot, float *k_cache, float *v_cache,
-                int64_t capacity, float *logits, const int32_t *tap_slot, void *taps_out) {
+/* The forward of M rows: tokens[r] at RoPE position pos[r], its keys/values written to cache slot start + r.
+ * Row r sees the slots mask[r * (start + M) + s] != 0 allows, or without a mask slots [0, start + r] (a
+ * decode step, a causal prefill). logits[R, vocab] receive the lm_head rows logit_rows[0..R) (rounded to the
+ * model's dtype). With tap_slot (per layer: -1, or j to store the layer's output as tap j) taps_out
+ * [M, ntaps, hidden] (model dtype) receives the drafter's features. Returns 0, or -1 when out of memory.
+ * Supported (checked by the caller): M <= 64, head_dim a multiple of 16 and at most 512. */
+int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t *pos, int64_t start,
+                 const uint8_t *mask, float *k_cache, float *v_cache, int64_t capacity, int R,
+                 const int64_t *logit_rows, float *logits, const int32_t *tap_slot, int ntaps, void *taps_out) {
     const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads, F = m->inter;
-    const int nq = nh * d, nk = nkv * d, esz = m->bf16 ? 2 : 4;
-    const int wide = F * 2 > nq + 2 * nk ? F * 2 : nq + 2 * nk;
+    const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk, esz = m->bf16 ? 2 : 4;
+    const int wide = 2 * F > qkv ? 2 * F : qkv; /* the widest activation row */
     const int64_t head_stride = capacity * d, layer_stride = nkv * head_stride;
-    const int S = (int)slot + 1;
-    const int scratch_n = H + H + wide + (nq > H ? nq : H) + F + nq + S * nh;
-    float *buf = malloc(sizeof(float) * scratch_n);
-    char *xs = malloc((size_t)esz * (wide > H ? wide : H) * 2 + (size_t)esz * m->vocab);
+    const int S = (int)start + M; /* slots attended over */
+    const int64_t io = (int64_t)M * (wide > H ? wide : H), lo = (int64_t)R * m->vocab;
+    const int S16 = (S + 15) & ~15; /* per (row, head) score scratch, whole vectors */
+    float *buf = malloc(sizeof(float) * ((int64_t)M * (2 * H + wide + H + F + nq) + (int64_t)M * nh * S16));
+    char *xs = malloc((size_t)esz * (2 * io + (lo > io ? lo : io)));
     if (!buf || !xs) {
         free(buf);
         free(xs);
         return -1;
     }
-    float *x = buf, *n = x + H, *proj = n + H, *att = proj + wide, *act = att + (nq > H ? nq : H),
-          *heads_out = act + F, *probs = heads_out + nq;
-    void *ys = xs + (size_t)esz * (wide > H ? wide : H);
+    float *x = buf, *n = x + M * H, *proj = n + M * H, *att = proj + M * wide, *act = att + M * H,
+          *heads_out = act + M * F, *probs = heads_out + M * nq;
+    void *ys = xs + (size_t)esz * io;
     const float scale = 1.f / sqrtf((float)d);
+    const int group = nh / nkv;
 
-    for (int i = 0; i < H; ++i) x[i] = at(m, m->embed, token * H + i);
+    for (int r = 0; r < M; ++r)
+        for (int i = 0; i < H; ++i) x[r * H + i] = at(m, m->embed, tokens[r] * H + i);
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
-        rms_norm(m, x, L->attn_norm, H, n);
-        linear(m, L->qkv_w, L->qkv_b, n, nq + 2 * nk, H, xs, ys, proj); /* q | k | v heads */
-        float *q = proj, *k = proj + nq, *v = k + nk;
-        for (int h = 0; h < nh + nkv; ++h) { /* Qwen3's per-head norms, then RoPE on every q and k head */
-            float *head = proj + h * d;
-            if (L->q_norm) {
-                float t[512];
-                rms_norm(m, head, h < nh ? L->q_norm : L->k_norm, d, t);
-                memcpy(head, t, sizeof(float) * d);
-            }
-            rope(m, head, pos);
-        }
         float *Kl = k_cache + l * layer_stride, *Vl = v_cache + l * layer_stride;
-        for (int g = 0; g < nkv; ++g) {
-            memcpy(Kl + g * head_stride + slot * d, k + g * d, sizeof(float) * d);
-            memcpy(Vl + g * head_stride + slot * d, v + g * d, sizeof(float) * d);
-        }
-        const int group = nh / nkv;
-#pragma omp parallel for schedule(static) if (S >= 64)
-        for (int h = 0; h < nh; ++h)
-            attend_head(q + h * d, Kl + (h / group) * head_stride, Vl + (h / group) * head_stride, S, d, scale,
-                        probs + (int64_t)h * S, heads_out + h * d);
-        for (int i = 0; i < nq; ++i) heads_out[i] = rnd(m, heads_out[i]); /* .to(dtype) before o_proj */
-        linear(m, L->o_w, L->o_b, heads_out, H, nq, xs, ys, att);
-        for (int i = 0; i < H; ++i) x[i] = rnd(m, x[i] + att[i]);
-
-        rms_norm(m, x, L->mlp_norm, H, n);
-        linear(m, L->gate_up_w, L->gate_up_b, n, 2 * F, H, xs, ys, proj); /* gate | up */
-        for (int i = 0; i < F; ++i) {
-            const float g = proj[i];
-            act[i] = rnd(m, rnd(m, g / (1.f + expf(-g))) * proj[F + i]);
-        }
-        linear(m, L->down_w, L->down_b, act, H, F, xs, ys, att);
-        for (int i = 0; i < H; ++i) x[i] = rnd(m, x[i] + att[i]);
-        if (tap_slot && tap_slot[l] >= 0) {
-            const int64_t off = (int64_t)tap_slot[l] * H;
-            for (int i = 0; i < H; ++i) {
-                if (m->bf16) ((uint16_t *)taps_out)[off + i] = to_bf16(x[i]);
-                else ((float *)taps_out)[off + i] = x[i];
+        for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->attn_norm, H, n + r * H);
+        linear(m, L->qkv_w, L->qkv_b, n, M, qkv, H, xs, ys, proj); /* per row: q | k | v heads */
+        for (int r = 0; r < M; ++r) {
+            float *row = proj + (int64_t)r * qkv;
+            for (int h = 0; h < nh + nkv; ++h) { /* Qwen3's per-head norms, then RoPE on every q and k head */
+                float *head = row + h * d;
+                if (L->q_norm) {
+                    float t[512];
+                    rms_norm(m, head, h < nh ? L->q_norm : L->k_norm, d, t);
+                    memcpy(head, t, sizeof(float) * d);
+                }
+                rope(m, head, pos[r]);
+            }
+            for (int g = 0; g < nkv; ++g) { /* every row's keys/values are in place before any row attends */
+                memcpy(Kl + g * head_stride + (start + r) * d, row + nq + g * d, sizeof(float) * d);
+                memcpy(Vl + g * head_stride + (start + r) * d, row + nq + nk + g * d, sizeof(float) * d);
             }
         }
+#pragma omp parallel for schedule(static) if ((int64_t)M * S >= 64)
+        for (int rh = 0; rh < M * nh; ++rh) {
+            const int r = rh / nh, h = rh % nh;
+            attend_head(proj + (int64_t)r * qkv + h * d, Kl + (h / group) * head_stride,
+                        Vl + (h / group) * head_stride, S, mask ? mask + (int64_t)r * S : NULL, (int)start + r + 1,
+                        d, scale, probs + (int64_t)rh * S16, heads_out + (int64_t)r * nq + h * d);
+        }
+        for (int64_t i = 0; i < (int64_t)M * nq; ++i) heads_out[i] = rnd(m, heads_out[i]); /* .to(dtype) */
+        linear(m, L->o_w, L->o_b, heads_out, M, H, nq, xs, ys, att);
+        for (int64_t i = 0; i < (int64_t)M * H; ++i) x[i] = rnd(m, x[i] + att[i]);
+
+        for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->mlp_norm, H, n + r * H);
+        linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, ys, proj); /* per row: gate | up */
+        for (int r = 0; r < M; ++r)
+            for (int i = 0; i < F; ++i) {
+                const float g = proj[(int64_t)r * 2 * F + i], u = proj[(int64_t)r * 2 * F + F + i];
+                act[(int64_t)r * F + i] = rnd(m, rnd(m, g / (1.f + expf(-g))) * u);
+            }
+        linear(m, L->down_w, L->down_b, act, M, H, F, xs, ys, att);
+        for (int64_t i = 0; i < (int64_t)M * H; ++i) x[i] = rnd(m, x[i] + att[i]);
+        if (tap_slot && tap_slot[l] >= 0)
+            for (int r = 0; r < M; ++r) {
+                const int64_t off = ((int64_t)r * ntaps + tap_slot[l]) * H;
+                for (int i = 0; i < H; ++i) {
+                    if (m->bf16) ((uint16_t *)taps_out)[off + i] = to_bf16(x[r * H + i]);
+                    else ((float *)taps_out)[off + i] = x[r * H + i];
+                }
+            }
     }
-    rms_norm(m, x, m->final_norm, H, n);
+    for (int j = 0; j < R; ++j) rms_norm(m, x + logit_rows[j] * H, m->final_norm, H, n + (int64_t)j * H);
     if (m->bf16) {
         uint16_t *xb = (uint16_t *)xs, *yb = (uint16_t *)ys;
-        for (int i = 0; i < H; ++i) xb[i] = to_bf16(n[i]);
-        skinny_bf16(m->head, xb, yb, 1, m->vocab, H, H, m->vocab);
-        for (int o = 0; o < m->vocab; ++o) logits[o] = bf16_to_f32(yb[o]);
+        for (int64_t i = 0; i < (int64_t)R * H; ++i) xb[i] = to_bf16(n[i]);
+        skinny_bf16(m->head, xb, yb, R, m->vocab, H, H, m->vocab);
+        for (int64_t o = 0; o < lo; ++o) logits[o] = bf16_to_f32(yb[o]);
     } else {
-        skinny_f32(m->head, n, logits, 1, m->vocab, H, H, m->vocab);
+        skinny_f32(m->head, n, logits, R, m->vocab, H, H, m->vocab);
     }
     free(buf);
     free(xs);

@@ -14,6 +14,7 @@ from ..cache import KVCache, Segment, cache_dtype
 from ..config import TargetConfig
 from ..kernels import WeightPack, linear
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
+from . import native_step
 from .native_step import NativeStep, applies
 
 log = logging.getLogger("castspec")
@@ -98,9 +99,8 @@ class Decoder(nn.Module):
                          logit_rows: torch.Tensor | slice | None = None, taps: tuple[int, ...] = ()):
         """The ragged forward: the rows of ids/positions [B,T] are split, in order, into `segments`, each with
         its own cache, slots and mask (one request each when serving). Returns as `forward`."""
-        if ids.numel() == 1 and len(segments) == 1 and segments[0].mask is None and len(set(taps)) == len(taps) \
-                and not torch.is_grad_enabled() and (logit_rows is None or _only_row_zero(logit_rows)):
-            out = self._single_token(ids, positions, segments[0], taps)
+        if len(segments) == 1 and len(set(taps)) == len(taps) and not torch.is_grad_enabled():
+            out = self._native_forward(ids, positions, segments[0], logit_rows, taps)
             if out is not None:
                 return out
         x = self.embed(ids)
@@ -118,26 +118,34 @@ class Decoder(nn.Module):
         rows = x if logit_rows is None else x[:, logit_rows]
         return self.logits(rows), features
 
-    def _single_token(self, ids: torch.Tensor, positions: torch.Tensor, seg: Segment, taps: tuple[int, ...]):
-        """One decode row through step.c, returned as `forward_segments` does, or None where step.c does not
-        apply (the torch forward runs then).
+    def _native_forward(self, ids, positions, seg: Segment, logit_rows, taps: tuple[int, ...]):
+        """The forward through step.c, returned as `forward_segments` does, or None where step.c does not apply
+        (the torch forward runs then): one cache, at most native_step.MAX_ROWS rows, a tree mask or the
+        causal triangle.
 
-        The model's first native step is also run through torch (writing the same cache slot again) and the
-        two compared: a disagreement, which only a platform or shape step.c mishandles can cause, turns the
-        native step off for this model."""
+        The model's first native forward is also run through torch (writing the same cache slots again) and
+        the two compared: a disagreement, which only a platform or shape step.c mishandles can cause, turns the
+        native path off for this model."""
+        M = ids.numel()
+        if not 0 < M <= native_step.MAX_ROWS or ids.shape[0] != 1 or ids.device.type != "cpu":
+            return None
+        if (seg.mask is None and M > 1 and not seg.causal) or (seg.mask is not None and seg.mask.dtype != torch.bool):
+            return None  # every row seeing every slot is no decoding pattern; float masks are not trees
         if self._native_step is False:
             self._native_step = NativeStep.for_decoder(self)
         step = self._native_step
-        if step is None or ids.device.type != "cpu" or not applies(seg.cache):
+        if step is None or not applies(seg.cache):
             return None
-        token, position = int(ids.view(-1)[0]), int(positions.view(-1)[0])
-        logits, features = step(token, position, seg.cache, seg.start, taps)
-        out = logits.view(1, 1, -1), None if features is None else features.view(1, 1, -1)
+        rows = torch.arange(M) if logit_rows is None else torch.arange(M)[logit_rows].view(-1)
+        mask = None if seg.mask is None else seg.mask.reshape(M, seg.start + M).contiguous()
+        logits, features = step(ids.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), seg.cache,
+                                seg.start, mask, rows, taps)
+        out = logits.unsqueeze(0), None if features is None else features.unsqueeze(0)
         if not step.checked:
             self._native_step = None
-            ref = self.forward_segments(ids, positions, [seg], taps=taps)
+            ref = self.forward_segments(ids, positions, [seg], logit_rows, taps)
             if not all(_close(a, b, self.dtype) for a, b in zip(out, ref) if b is not None):
-                log.warning("castspec: the native decode step disagrees with the torch forward on this model; "
+                log.warning("castspec: the native forward disagrees with the torch forward on this model; "
                             "using torch's")
                 return ref
             self._native_step = step
@@ -149,9 +157,3 @@ def _close(a: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
     """Equal up to rounding: relative to the largest value, as logits and hidden states have no fixed scale."""
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     return torch.allclose(a.float(), ref.float(), rtol=0, atol=tol * max(ref.abs().max().item(), 1.0))
-
-
-def _only_row_zero(rows) -> bool:
-    if isinstance(rows, slice):
-        return rows.indices(1) == (0, 1, 1)
-    return rows.numel() == 1 and int(rows.view(-1)[0]) == 0

@@ -1,17 +1,19 @@
-"""A single-token decode step in one native call (castspec/csrc/step.c), for `ar` on AVX-512 CPUs.
+"""Forwards of a few rows (decode steps, packed trees) in one native call (castspec/csrc/step.c) on AVX-512
+CPUs.
 
-Why: the step streams ~270 MB of bf16 weights (8 ms at this machine's read rate) but eager torch adds
-~50 small ops per layer whose dispatch costs more than that on 2 cores. step.c runs the same layer
+Why: such a forward streams ~270 MB of bf16 weights (8 ms at this machine's read rate) but eager torch adds
+~50 small ops per layer whose dispatch costs more than that on 2 cores. step.c runs the same layers
 (products on castspec's own kernels, the rest in plain C) with the model's rounding at the same places.
 
-`NativeStep.for_decoder` returns None where the step does not apply (no native library, another device,
-unsupported shapes); the first step of each model is cross-checked against the torch forward, and a
-disagreement turns the native step off for that model with a warning.
+`NativeStep.for_decoder` returns None where it does not apply (no native library, another device,
+unsupported shapes); the first native forward of each model is cross-checked against the torch forward, and
+a disagreement turns the native path off for that model with a warning.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import torch
 
@@ -45,7 +47,7 @@ class NativeStep:
 
     def __init__(self, decoder, lib):
         cfg = decoder.cfg
-        self._fn = lib.decode_step
+        self._fn = lib.forward_rows
         self._tensors = []  # every tensor whose pointer step.c holds
 
         def keep(t):
@@ -86,26 +88,32 @@ class NativeStep:
             return None
         return NativeStep(decoder, lib)
 
-    def __call__(self, token: int, position: int, cache, slot: int,
-                 taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [V] fp32 of `token` at RoPE `position` (its keys/values go to cache slot `slot`), and the
-        hidden states after the layers in `taps` [len(taps) * H] (model dtype; None without taps)."""
-        if not 0 <= slot < cache.capacity:
-            raise ValueError(f"KV cache overflow: {slot + 1} slots needed, capacity {cache.capacity}")
-        logits = torch.empty(self._model.vocab, dtype=torch.float32)
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, start: int, mask: torch.Tensor | None,
+                 logit_rows: torch.Tensor, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of the M rows ids/positions [M] written to cache slots [start, start + M).
+
+        mask: bool [M, start + M] (True = may attend) or None for the causal triangle (one row: everything).
+        Returns (logits [R, V] fp32 of the rows in `logit_rows` [R], hidden states after the layers in `taps`
+        [M, len(taps) * H] in the model's dtype, None without taps)."""
+        M = ids.numel()
+        if start + M > cache.capacity:
+            raise ValueError(f"KV cache overflow: {start + M} slots needed, capacity {cache.capacity}")
+        logits = torch.empty(logit_rows.numel(), self._model.vocab, dtype=torch.float32)
         features = tap_slot = None
         if taps:
-            features = torch.empty(len(taps) * self._model.hidden, dtype=self._dtype)
+            features = torch.empty(M, len(taps) * self._model.hidden, dtype=self._dtype)
             tap_slot = self._tap_slots(taps)
-        rc = self._fn(ctypes.byref(self._model), token, position, slot, cache.k.data_ptr(), cache.v.data_ptr(),
-                      cache.capacity, logits.data_ptr(), None if tap_slot is None else tap_slot.data_ptr(),
+        rc = self._fn(ctypes.byref(self._model), M, ids.data_ptr(), positions.data_ptr(), start,
+                      None if mask is None else mask.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
+                      cache.capacity, logit_rows.numel(), logit_rows.data_ptr(), logits.data_ptr(),
+                      None if tap_slot is None else tap_slot.data_ptr(), len(taps),
                       None if features is None else features.data_ptr())
         if rc != 0:
-            raise MemoryError("native decode step: out of memory")
+            raise MemoryError("native forward: out of memory")
         return logits, features
 
     def _tap_slots(self, taps: tuple[int, ...]) -> torch.Tensor:
-        """Per layer, the row of the features it fills, or -1 (cached: a drafter's taps never change)."""
+        """Per layer, the tap it fills, or -1 (cached: a drafter's taps never change)."""
         slots = self._tap_cache.get(taps)
         if slots is None:
             slots = torch.full((self._model.layers,), -1, dtype=torch.int32)
@@ -121,6 +129,11 @@ def _matrices(decoder) -> list[torch.Tensor]:
         out += [layer.self_attn.qkv()[0], layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
                 layer.mlp.down_proj.weight]
     return out
+
+
+# Above this many rows oneDNN's blocked products (and the torch forward around them) win on the machine this
+# was tuned on; CASTSPEC_NATIVE_ROWS sets another limit (0 keeps every forward on torch).
+MAX_ROWS = int(os.environ.get("CASTSPEC_NATIVE_ROWS", "12"))
 
 
 def applies(cache) -> bool:
