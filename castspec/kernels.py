@@ -90,7 +90,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            pack: WeightPack | None = None) -> torch.Tensor:
     if torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    out = skinny_linear(x, weight)  # 1-MAX_ROWS rows on AVX-512 CPUs (castspec/native.py)
+    out = skinny_linear(x, weight)  # a few rows on AVX-512 CPUs (castspec/native.py)
     if out is not None:
         return out if bias is None else out + bias
     out = packed_linear(x, weight, bias, pack) if pack is not None else None

@@ -1,9 +1,10 @@
-"""castspec/csrc/skinny.c: matrix products of a few rows on AVX-512 CPUs, compiled at first use.
+"""castspec's native code for AVX-512 CPUs, compiled at first use: csrc/skinny.c (matrix products of a few rows)
+and csrc/step.c (whole forwards of a few rows built on them; its Python side is models/native_step.py).
 
 Why: a decode step multiplies one row by every weight matrix (a verify or a drafter pass, a few more), so
 its time is the time to stream the weights. At these shapes torch's kernels here (oneDNN on a pre-packed weight,
 an inductor-compiled reduction) stream bf16 weights at about half the machine's read rate;
-`python -m castspec.bench.engine` times them side by side (`gemv_ms`). The kernel is plain C with AVX-512
+`python -m castspec.bench.engine` times them side by side (`gemv_ms`). The code is plain C with AVX-512
 intrinsics (no torch headers), so it builds in about a second with the system C compiler, and is cached under
 ~/.cache/castspec/native keyed by its source and flags. Where the CPU lacks AVX-512 BF16, no compiler is found,
 the build fails or its self-check disagrees with torch, castspec uses torch's kernels (logged once).
@@ -27,9 +28,10 @@ log = logging.getLogger("castspec")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("skinny.c", "step.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-# Above this many rows oneDNN's blocked GEMM is faster on the machine this was tuned on.
-MAX_ROWS = 2
-KERNEL_MAX_ROWS = 64  # what skinny.c itself takes (its per-thread output buffer)
+# Above this many rows oneDNN's blocked GEMM is faster on the machine this was tuned on (the step's products
+# alone, over all 121 matrices: bf16 8 rows 15.1 vs 16.1 ms, 16 rows 29.5 vs 22.1; fp32 4 rows 24.2 vs 26.4,
+# 8 rows 32.0 vs 28.8). Whole native forwards (models/native_step.py) use the kernels at any row count.
+MAX_ROWS = {torch.bfloat16: 8, torch.float32: 4}
 _ENTRY = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
 
@@ -97,8 +99,6 @@ def library():
 
 def _call(lib, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, I = x2.shape
-    if M > KERNEL_MAX_ROWS:
-        raise ValueError(f"skinny kernels take at most {KERNEL_MAX_ROWS} rows, got {M}")
     out = torch.empty(M, w.shape[0], dtype=x2.dtype)
     getattr(lib, _ENTRY[x2.dtype])(w.data_ptr(), x2.data_ptr(), out.data_ptr(), M, w.shape[0], I, x2.stride(0),
                                    out.stride(0))
@@ -106,11 +106,12 @@ def _call(lib, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x [..., I] @ weight[O, I]^T for at most MAX_ROWS rows on CPU, or None when the kernels do not apply."""
+    """x [..., I] @ weight[O, I]^T for at most MAX_ROWS[dtype] rows on CPU, or None when the kernels do not
+    apply."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in _ENTRY or not weight.is_contiguous():
         return None
     rows = x.numel() // max(x.shape[-1], 1)
-    if not 0 < rows <= MAX_ROWS:
+    if not 0 < rows <= MAX_ROWS[x.dtype]:
         return None
     lib = library()
     if lib is None:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from .cost import CostProfile, profile_key
 from . import native
+from .models import native_step
 from .kernels import packing_available
 from .batch import run_round, synchronize
 from .config import DecodeConfig
@@ -43,8 +44,8 @@ def engine_key(engine) -> dict:
     if dev.type == "cpu" and packing_available():
         name += "-packed"  # the packed linears changed every cost: profiles measured without them are stale
     if dev.type == "cpu" and native.library() is not None:
-        # so did castspec's own kernels for 1-MAX_ROWS rows, and its native single-token step
-        name += f"-native{native.MAX_ROWS}-step"
+        # so did castspec's own kernels for a few rows, and its native forwards
+        name += f"-native{native.MAX_ROWS[engine.dtype]}-rows{native_step.MAX_ROWS}"
     drafter = "none"
     if engine.drafter is not None:
         # the drafter's shape, not only where it came from: a retrained drafter at the same path (a new

@@ -52,7 +52,7 @@ needs_native = pytest.mark.skipif(native.library() is None, reason="no AVX-512 B
 def test_native_kernels_match_torch(dtype, inner):
     g = torch.Generator().manual_seed(inner)
     w = torch.randn(37, inner, generator=g).to(dtype)
-    x = torch.randn(native.MAX_ROWS, inner, generator=g).to(dtype)
+    x = torch.randn(native.MAX_ROWS[dtype], inner, generator=g).to(dtype)
     out = native.skinny_linear(x, w)
     ref = (x.double() @ w.double().T).to(dtype)
     # fp32: summation order only; bf16: the fp32 sum rounded once to bfloat16, so at most one bf16 ulp apart
@@ -63,7 +63,7 @@ def test_native_kernels_match_torch(dtype, inner):
     # and `linear` takes this path for single rows without gradients, not with them
     with torch.inference_mode():
         assert torch.equal(linear(x[:1], w, None, WeightPack()), out[:1])
-    assert native.skinny_linear(torch.randn(native.MAX_ROWS + 1, inner).to(dtype), w) is None
+    assert native.skinny_linear(torch.randn(native.MAX_ROWS[dtype] + 1, inner).to(dtype), w) is None
 
 
 def test_native_kernels_fall_back_cleanly(monkeypatch, tmp_path, caplog):

@@ -1,10 +1,10 @@
 /* Skinny matrix products for decoding on AVX-512 CPUs: Y[M,O] = X[M,I] . W[O,I]^T for a few rows M.
  *
  * Decode steps, tree verification and drafting multiply 1-16 rows by every weight matrix, so they are bound
- * by how fast the weights stream from memory. Each weight row is read once and dotted with the input rows
- * (which stay in cache) in register-resident groups of 8, 4, 2 and 1; output rows are split across OpenMP
- * threads. Every output is a dot product accumulated in the same order whatever M is, so a row's result does
- * not depend on how many rows share the call.
+ * by how fast the weights stream from memory. Weight rows are split across OpenMP threads in blocks of
+ * OBLOCK, each read from memory once and dotted with the input rows (which stay in cache) in register-resident
+ * groups of 8, 4, 2 and 1. Every output is a dot product accumulated in the same order whatever M is, so a
+ * row's result does not depend on how many rows share the call.
  *
  * Built at first use by castspec/native.py; OpenMP resolves to the libgomp torch already loaded (same
  * soname), so this shares torch's thread pool and its thread count.
