@@ -33,35 +33,62 @@ typedef struct {
     const Layer *layer;
 } StepModel;
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+/* Activations live in fp32 and are rounded to the model's dtype wherever torch stores a tensor (rnd16, a
+ * no-op for fp32); all of it sixteen lanes at a time, `k` masking the lanes of a row's last partial vector.
+ * f32 -> bf16 is VCVTNEPS2BF16: round to nearest even, as torch (it flushes denormals, which no weight or
+ * activation here is). */
+static inline __mmask16 lanes(int64_t n, int64_t i) {
+    return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
+static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+static inline __m256i narrow(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+static inline __m512 load16(const StepModel *m, const void *p, int64_t i, __mmask16 k) {
+    return m->bf16 ? widen(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
 }
 
-/* A float rounded to the model's dtype (a no-op for fp32): what torch stores after every op. */
-static inline float rnd(const StepModel *m, float f) { return m->bf16 ? bf16_to_f32(to_bf16(f)) : f; }
+static inline __m512 rnd16(const StepModel *m, __m512 v) { return m->bf16 ? widen(narrow(v)) : v; }
 
-/* Element i of a tensor in the model's dtype, as float. */
-static inline float at(const StepModel *m, const void *p, int64_t i) {
-    return m->bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* x[i] = round(x[i] + y[i]) over n elements: a residual add. */
+static void add_rounded(const StepModel *m, float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n, i);
+        _mm512_mask_storeu_ps(x + i, k, rnd16(m, _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, y + i))));
+    }
 }
+
+/* fp32 rows -> model-dtype copies (the products' inputs) and back (their outputs). */
+static void to_model(const float *x, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n, i);
+        _mm256_mask_storeu_epi16(out + i, k, narrow(_mm512_maskz_loadu_ps(k, x + i)));
+    }
+}
+
+static void from_model(const uint16_t *y, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n, i);
+        _mm512_mask_storeu_ps(out + i, k, widen(_mm256_maskz_loadu_epi16(k, y + i)));
+    }
+}
+
+static __m512 exp16(__m512 x);
 
 /* out = w * round(rms_norm(x)), as RMSNorm in layers.py: normalized in fp32, rounded, then times the weight. */
 static void rms_norm(const StepModel *m, const float *x, const void *w, int n, float *out) {
-    float ss = 0.f;
-    for (int i = 0; i < n; ++i) ss += x[i] * x[i];
-    const float r = 1.f / sqrtf(ss / (float)n + m->eps);
-    for (int i = 0; i < n; ++i) out[i] = rnd(m, at(m, w, i) * rnd(m, x[i] * r));
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(lanes(n, i), x + i);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + m->eps));
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n, i);
+        const __m512 normed = rnd16(m, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), r));
+        _mm512_mask_storeu_ps(out + i, k, rnd16(m, _mm512_mul_ps(load16(m, w, i, k), normed)));
+    }
 }
 
 /* Y[M, O] = round(X[M, I] . W[O, I]^T + b): the products in the model's dtype through skinny.c, the bias
@@ -70,26 +97,33 @@ static void linear(const StepModel *m, const void *W, const void *b, const float
                    void *xs, void *ys, float *Y) {
     const int64_t n_in = (int64_t)M * I, n_out = (int64_t)M * O;
     if (m->bf16) {
-        uint16_t *xb = xs, *yb = ys;
-        for (int64_t i = 0; i < n_in; ++i) xb[i] = to_bf16(X[i]);
-        skinny_bf16(W, xb, yb, M, O, I, I, O);
-        for (int64_t o = 0; o < n_out; ++o) Y[o] = bf16_to_f32(yb[o]);
+        to_model(X, xs, n_in);
+        skinny_bf16(W, xs, ys, M, O, I, I, O);
+        from_model(ys, Y, n_out);
     } else {
         skinny_f32(W, X, Y, M, O, I, I, O);
     }
     if (b)
-        for (int64_t o = 0; o < n_out; ++o) Y[o] = rnd(m, Y[o] + at(m, b, o % O));
+        for (int r = 0; r < M; ++r)
+            for (int o = 0; o < O; o += 16) {
+                const __mmask16 k = lanes(O, o);
+                float *y = Y + (int64_t)r * O + o;
+                _mm512_mask_storeu_ps(y, k, rnd16(m, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), load16(m, b, o, k))));
+            }
 }
 
 /* RoPE on one head in place: x * cos + roll(x, d/2) * signed sin, each product and the sum rounded. */
 static void rope(const StepModel *m, float *x, int64_t pos) {
     const int d = m->head_dim, h = d / 2;
-    float t[512];
-    for (int i = 0; i < d; ++i) {
-        const float c = at(m, m->cos, pos * d + i), s = at(m, m->sin, pos * d + i);
-        t[i] = rnd(m, rnd(m, x[i] * c) + rnd(m, x[i < h ? i + h : i - h] * s));
+    float rolled[512];
+    memcpy(rolled, x + h, sizeof(float) * h);
+    memcpy(rolled + h, x, sizeof(float) * h);
+    for (int i = 0; i < d; i += 16) { /* d is a multiple of 16 */
+        const __m512 c = load16(m, m->cos, pos * d + i, 0xffff), s = load16(m, m->sin, pos * d + i, 0xffff);
+        const __m512 a = rnd16(m, _mm512_mul_ps(_mm512_loadu_ps(x + i), c));
+        const __m512 b = rnd16(m, _mm512_mul_ps(_mm512_loadu_ps(rolled + i), s));
+        _mm512_storeu_ps(x + i, rnd16(m, _mm512_add_ps(a, b)));
     }
-    memcpy(x, t, sizeof(float) * d);
 }
 
 /* Sixteen vectors' horizontal sums as one vector (out[j] = sum of v[j]): a tree of lane shuffles and adds,
@@ -113,7 +147,7 @@ static inline __m512 hsum16(const __m512 *v) {
 
 /* exp on sixteen lanes (Cody-Waite range reduction and Cephes' expf polynomial, within 2 ulp of expf);
  * inputs below -87 (masked scores) give ~1e-38, which callers zero. */
-static inline __m512 exp16(__m512 x) {
+static __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -210,7 +244,10 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     const int group = nh / nkv;
 
     for (int r = 0; r < M; ++r)
-        for (int i = 0; i < H; ++i) x[r * H + i] = at(m, m->embed, tokens[r] * H + i);
+        for (int i = 0; i < H; i += 16) {
+            const __mmask16 k = lanes(H, i);
+            _mm512_mask_storeu_ps(x + r * H + i, k, load16(m, m->embed, tokens[r] * H + i, k));
+        }
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
         float *Kl = k_cache + l * layer_stride, *Vl = v_cache + l * layer_stride;
@@ -239,34 +276,37 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
                         Vl + (h / group) * head_stride, S, mask ? mask + (int64_t)r * S : NULL, (int)start + r + 1,
                         d, scale, probs + (int64_t)rh * S16, heads_out + (int64_t)r * nq + h * d);
         }
-        for (int64_t i = 0; i < (int64_t)M * nq; ++i) heads_out[i] = rnd(m, heads_out[i]); /* .to(dtype) */
+        for (int64_t i = 0; i < (int64_t)M * nq; i += 16) { /* .to(dtype) before o_proj */
+            const __mmask16 k = lanes((int64_t)M * nq, i);
+            _mm512_mask_storeu_ps(heads_out + i, k, rnd16(m, _mm512_maskz_loadu_ps(k, heads_out + i)));
+        }
         linear(m, L->o_w, L->o_b, heads_out, M, H, nq, xs, ys, att);
-        for (int64_t i = 0; i < (int64_t)M * H; ++i) x[i] = rnd(m, x[i] + att[i]);
+        add_rounded(m, x, att, (int64_t)M * H);
 
         for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->mlp_norm, H, n + r * H);
         linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, ys, proj); /* per row: gate | up */
-        for (int r = 0; r < M; ++r)
-            for (int i = 0; i < F; ++i) {
-                const float g = proj[(int64_t)r * 2 * F + i], u = proj[(int64_t)r * 2 * F + F + i];
-                act[(int64_t)r * F + i] = rnd(m, rnd(m, g / (1.f + expf(-g))) * u);
+        for (int r = 0; r < M; ++r) /* silu(gate) * up, each rounded */
+            for (int i = 0; i < F; i += 16) {
+                const __mmask16 k = lanes(F, i);
+                const __m512 g = _mm512_maskz_loadu_ps(k, proj + (int64_t)r * 2 * F + i);
+                const __m512 u = _mm512_maskz_loadu_ps(k, proj + (int64_t)r * 2 * F + F + i);
+                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                _mm512_mask_storeu_ps(act + (int64_t)r * F + i, k, rnd16(m, _mm512_mul_ps(rnd16(m, silu), u)));
             }
         linear(m, L->down_w, L->down_b, act, M, H, F, xs, ys, att);
-        for (int64_t i = 0; i < (int64_t)M * H; ++i) x[i] = rnd(m, x[i] + att[i]);
+        add_rounded(m, x, att, (int64_t)M * H);
         if (tap_slot && tap_slot[l] >= 0)
             for (int r = 0; r < M; ++r) {
                 const int64_t off = ((int64_t)r * ntaps + tap_slot[l]) * H;
-                for (int i = 0; i < H; ++i) {
-                    if (m->bf16) ((uint16_t *)taps_out)[off + i] = to_bf16(x[r * H + i]);
-                    else ((float *)taps_out)[off + i] = x[r * H + i];
-                }
+                if (m->bf16) to_model(x + r * H, (uint16_t *)taps_out + off, H);
+                else memcpy((float *)taps_out + off, x + r * H, sizeof(float) * H);
             }
     }
     for (int j = 0; j < R; ++j) rms_norm(m, x + logit_rows[j] * H, m->final_norm, H, n + (int64_t)j * H);
     if (m->bf16) {
-        uint16_t *xb = (uint16_t *)xs, *yb = (uint16_t *)ys;
-        for (int64_t i = 0; i < (int64_t)R * H; ++i) xb[i] = to_bf16(n[i]);
-        skinny_bf16(m->head, xb, yb, R, m->vocab, H, H, m->vocab);
-        for (int64_t o = 0; o < lo; ++o) logits[o] = bf16_to_f32(yb[o]);
+        to_model(n, (uint16_t *)xs, (int64_t)R * H);
+        skinny_bf16(m->head, (const uint16_t *)xs, ys, R, m->vocab, H, H, m->vocab);
+        from_model(ys, logits, lo);
     } else {
         skinny_f32(m->head, n, logits, R, m->vocab, H, H, m->vocab);
     }
