@@ -102,13 +102,14 @@ def test_engine_benchmark_end_to_end(tmp_path):
     tiny_tokenizer(24).save_pretrained(tmp_path / "target")
     out = tmp_path / "engine.json"
     assert engine_bench.main(["--target", str(tmp_path / "target"), "--dtypes", "fp32", "--tokens", "4",
-                              "--prompts", "1", "--out", str(out)]) == 0
+                              "--prompts", "1", "--repeats", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     entry = report["dtypes"]["fp32"]
     assert entry["bandwidth_floor_ms"] > 0 and entry["weight_bytes"] > 0
     assert entry["castspec_ar_ms_per_token"] > 0 and entry["transformers_ms_per_token"] > 0
     row = entry["per_prompt"][0]
     assert row["ratio_to_floor"] == pytest.approx(row["ours_decode_step"] / row["bandwidth_floor_ms"])
+    assert len(row["ratios_of_repeats"]) == 2 and row["ratio_to_floor"] in row["ratios_of_repeats"]
     gemv = entry["gemv_ms"]
     # the per-matrix best of the kernels can only be at or below each kernel's own total
     assert 0 < gemv["best"] <= min(v for k, v in gemv.items() if k != "best")
