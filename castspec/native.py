@@ -1,5 +1,6 @@
-"""castspec's native code for AVX-512 CPUs, compiled at first use: csrc/skinny.c (matrix products of a few rows)
-and csrc/step.c (whole forwards of a few rows built on them; its Python side is models/native_step.py).
+"""castspec's native code for AVX-512 CPUs, compiled at first use: csrc/skinny.c (matrix products of a few rows),
+and built on them csrc/step.c (whole target forwards of a few rows) and csrc/draft.c (the drafter's block pass),
+both from the layer pieces in csrc/layer.h; their Python side is models/native_step.py.
 
 Why: a decode step multiplies one row by every weight matrix (a verify or a drafter pass, a few more), so
 its time is the time to stream the weights. At these shapes torch's kernels here (oneDNN on a pre-packed weight,
@@ -24,8 +25,8 @@ import torch
 
 log = logging.getLogger("castspec")
 
-# skinny.c: the products; step.c: whole forwards of a few rows built on them (models/native_step.py)
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("skinny.c", "step.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("skinny.c", "step.c", "draft.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # Above this many rows oneDNN's blocked GEMM is faster on the machine this was tuned on (the step's products
@@ -71,7 +72,8 @@ def library():
         return None
     from .models.load import cache_dir
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    files = sorted(CSRC.glob("*.[ch]"))  # the header too: a change there must rebuild
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = cache_dir() / "native" / f"castspec-{key}.so"
     try:
         if not path.exists():
@@ -91,6 +93,11 @@ def library():
                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     rows.restype = ctypes.c_int
+    draft = lib.draft_block
+    draft.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                      ctypes.c_void_p]
+    draft.restype = ctypes.c_int
     if not _self_check(lib):
         log.warning("castspec: native kernels disagree with torch on this machine; using torch's")
         return None

@@ -1,5 +1,5 @@
 """Forwards of a few rows in native code (castspec/csrc/step.c) against the torch forward: decode steps,
-causal prefill chunks, packed trees."""
+causal prefill chunks, packed trees; and the drafter's block pass (castspec/csrc/draft.c)."""
 import logging
 
 import pytest
@@ -7,12 +7,13 @@ import torch
 
 from castspec import native
 from castspec.models import native_step
-from castspec.models.native_step import NativeStep
+from castspec.models.native_step import NativeDraft, NativeStep
 from castspec.pack import pack_tree
 from castspec.tree import build_tree
+from castspec.sequence import DraftState, propose_batch
 from conftest import llama_config, make_hf
 from conftest import native as native_target
-from conftest import qwen3_config
+from conftest import qwen3_config, random_drafter
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no AVX-512 BF16 CPU or no C compiler here")
 
@@ -155,3 +156,31 @@ def test_forwards_beyond_the_row_limit_run_on_torch(monkeypatch):
         target(torch.arange(n).view(1, -1) % 40, torch.arange(n).view(1, -1), cache, 0, causal=True)
         target(torch.tensor([[3]]), torch.tensor([[n]]), cache, n)
     assert calls == [1]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_drafter_pass_matches_torch(dtype):
+    """Rounds of drafting through draft.c and through torch: the same log-probabilities (and the same
+    draft-vocabulary support), the same context in the drafter's cache."""
+    target = native_target(make_hf(llama_config(vocab=64), seed=1), dtype)
+    fast, ref = random_drafter(target).converted(dtype), random_drafter(target).converted(dtype)
+    ref._native = None  # torch only
+    g = torch.Generator().manual_seed(2)
+    width = len(fast.cfg.target_layer_ids) * target.cfg.hidden_size
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    with torch.inference_mode():
+        states = DraftState(fast, 64), DraftState(ref, 64)
+        for new_rows in (6, 1, 3):
+            feats = torch.randn(1, new_rows, width, generator=g).to(dtype)
+            for st in states:
+                st.add_context(feats)
+            got, want = (propose_batch(target, st.drafter, [st], [5], [7])[0] for st in states)
+            assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+            seen = torch.isfinite(want)
+            torch.testing.assert_close(got[seen], want[seen], rtol=tol, atol=tol * want[seen].abs().max().item())
+        assert isinstance(fast._native, NativeDraft) and fast._native.checked
+        n = states[1].cache.length
+        assert states[0].cache.length == n == 10
+        torch.testing.assert_close(states[0].cache.k[..., :n, :], states[1].cache.k[..., :n, :], rtol=tol, atol=tol)
+        torch.testing.assert_close(states[0].cache.v[..., :n, :], states[1].cache.v[..., :n, :], rtol=tol, atol=tol)

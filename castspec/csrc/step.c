@@ -1,217 +1,22 @@
-/* A forward of a few rows (a decode step, a packed tree) through a Llama / Qwen3 decoder in one native call.
+/* A forward of a few rows (a decode step, a causal prefill chunk, a packed tree) through a Llama / Qwen3
+ * decoder in one native call.
  *
  * Such a forward streams every weight once and does little else, yet in eager torch its ~50 small ops per
  * layer (norms, RoPE, cache writes, attention, residuals) cost more than the weight reads on a 2-core CPU.
- * Here the whole forward is one call: the products use skinny.c's kernels, everything between them is plain
- * C on a few thousand floats. Values are rounded to the model's dtype exactly where the torch forward
- * (castspec/models/decoder.py) rounds them, so both paths compute the same function up to the summation order
- * inside attention and the rounding of exp.
- *
+ * Here the whole forward is one call: the products use skinny.c's kernels, the rest is layer.h.
  * Weights are read through the pointers in StepModel (built by castspec/models/native_step.py); the K/V
  * cache is the fp32 [layers, 1, kv_heads, capacity, head_dim] tensor of castspec/cache.py.
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "layer.h"
 
-void skinny_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, int M, int O, int I, int ldx, int ldy);
-void skinny_f32(const float *W, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
-
-/* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native_step.py's Layer. */
-typedef struct {
-    const void *attn_norm, *qkv_w, *qkv_b, *o_w, *o_b, *q_norm, *k_norm, *mlp_norm, *gate_up_w, *gate_up_b,
-        *down_w, *down_b;
-} Layer;
-
-typedef struct {
-    int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, bf16;
-    float eps;
-    const void *embed, *final_norm, *head; /* embed [vocab, hidden]; head = lm_head or the tied embedding */
-    const void *cos, *sin;                 /* RoPE tables [positions, head_dim], sin with rotate-half's sign */
-    const Layer *layer;
-} StepModel;
-
-/* Activations live in fp32 and are rounded to the model's dtype wherever torch stores a tensor (rnd16, a
- * no-op for fp32); all of it sixteen lanes at a time, `k` masking the lanes of a row's last partial vector.
- * f32 -> bf16 is VCVTNEPS2BF16: round to nearest even, as torch (it flushes denormals, which no weight or
- * activation here is). */
-static inline __mmask16 lanes(int64_t n, int64_t i) {
-    return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-}
-
-static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-static inline __m256i narrow(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
-static inline __m512 load16(const StepModel *m, const void *p, int64_t i, __mmask16 k) {
-    return m->bf16 ? widen(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
-}
-
-static inline __m512 rnd16(const StepModel *m, __m512 v) { return m->bf16 ? widen(narrow(v)) : v; }
-
-/* x[i] = round(x[i] + y[i]) over n elements: a residual add. */
-static void add_rounded(const StepModel *m, float *x, const float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = lanes(n, i);
-        _mm512_mask_storeu_ps(x + i, k, rnd16(m, _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, y + i))));
-    }
-}
-
-/* fp32 rows -> model-dtype copies (the products' inputs) and back (their outputs). */
-static void to_model(const float *x, uint16_t *out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = lanes(n, i);
-        _mm256_mask_storeu_epi16(out + i, k, narrow(_mm512_maskz_loadu_ps(k, x + i)));
-    }
-}
-
-static void from_model(const uint16_t *y, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = lanes(n, i);
-        _mm512_mask_storeu_ps(out + i, k, widen(_mm256_maskz_loadu_epi16(k, y + i)));
-    }
-}
-
-static __m512 exp16(__m512 x);
-
-/* out = w * round(rms_norm(x)), as RMSNorm in layers.py: normalized in fp32, rounded, then times the weight. */
-static void rms_norm(const StepModel *m, const float *x, const void *w, int n, float *out) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) {
-        const __m512 v = _mm512_maskz_loadu_ps(lanes(n, i), x + i);
-        ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    const __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + m->eps));
-    for (int i = 0; i < n; i += 16) {
-        const __mmask16 k = lanes(n, i);
-        const __m512 normed = rnd16(m, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), r));
-        _mm512_mask_storeu_ps(out + i, k, rnd16(m, _mm512_mul_ps(load16(m, w, i, k), normed)));
-    }
-}
-
-/* Y[M, O] = round(X[M, I] . W[O, I]^T + b): the products in the model's dtype through skinny.c, the bias
- * added after rounding, as kernels.linear does. xs / ys are scratch of M*I / M*O model-dtype elements. */
-static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
-                   void *xs, void *ys, float *Y) {
-    const int64_t n_in = (int64_t)M * I, n_out = (int64_t)M * O;
-    if (m->bf16) {
-        to_model(X, xs, n_in);
-        skinny_bf16(W, xs, ys, M, O, I, I, O);
-        from_model(ys, Y, n_out);
-    } else {
-        skinny_f32(W, X, Y, M, O, I, I, O);
-    }
-    if (b)
-        for (int r = 0; r < M; ++r)
-            for (int o = 0; o < O; o += 16) {
-                const __mmask16 k = lanes(O, o);
-                float *y = Y + (int64_t)r * O + o;
-                _mm512_mask_storeu_ps(y, k, rnd16(m, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), load16(m, b, o, k))));
-            }
-}
-
-/* RoPE on one head in place: x * cos + roll(x, d/2) * signed sin, each product and the sum rounded. */
-static void rope(const StepModel *m, float *x, int64_t pos) {
-    const int d = m->head_dim, h = d / 2;
-    float rolled[512];
-    memcpy(rolled, x + h, sizeof(float) * h);
-    memcpy(rolled + h, x, sizeof(float) * h);
-    for (int i = 0; i < d; i += 16) { /* d is a multiple of 16 */
-        const __m512 c = load16(m, m->cos, pos * d + i, 0xffff), s = load16(m, m->sin, pos * d + i, 0xffff);
-        const __m512 a = rnd16(m, _mm512_mul_ps(_mm512_loadu_ps(x + i), c));
-        const __m512 b = rnd16(m, _mm512_mul_ps(_mm512_loadu_ps(rolled + i), s));
-        _mm512_storeu_ps(x + i, rnd16(m, _mm512_add_ps(a, b)));
-    }
-}
-
-/* Sixteen vectors' horizontal sums as one vector (out[j] = sum of v[j]): a tree of lane shuffles and adds,
- * ~4x cheaper than sixteen separate reductions. The tree leaves the sums 4x4-transposed; the last permute
- * (its own inverse) puts them in order. */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 t[8], u[4], w[2];
-    for (int k = 0; k < 8; ++k)
-        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-    for (int k = 0; k < 4; ++k)
-        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
-    for (int k = 0; k < 2; ++k)
-        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * k], u[2 * k + 1]), _mm512_unpackhi_ps(u[2 * k], u[2 * k + 1]));
-    const __m512 r = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]))));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
-}
-
-/* exp on sixteen lanes (Cody-Waite range reduction and Cephes' expf polynomial, within 2 ulp of expf);
- * inputs below -87 (masked scores) give ~1e-38, which callers zero. */
-static __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* Softmax attention of one query head over the slots [0, S) of its key/value head that `visible` allows
- * (NULL: the first `upto` slots); out[d] in fp32. p is scratch of S rounded up to 16 floats. Scores go
- * sixteen slots at a time (one horizontal-sum tree), exp sixteen lanes at a time. */
-static void attend_head(const float *q, const float *K, const float *V, int S, const uint8_t *visible, int upto,
-                        int d, float scale, float *p, float *out) {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 vmax = ninf;
-    for (int s0 = 0; s0 < S; s0 += 16) {
-        const int n = S - s0 < 16 ? S - s0 : 16;
-        __m512 acc[16];
-        for (int j = 0; j < 16; ++j) {
-            acc[j] = _mm512_setzero_ps();
-            if (j < n)
-                for (int i = 0; i < d; i += 16)
-                    acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(K + (int64_t)(s0 + j) * d + i), acc[j]);
+/* Rows of the embedding `table` [*, hidden] (model dtype) for token ids, as fp32. */
+static void embed_rows(const StepModel *m, const void *table, const int64_t *tokens, int M, float *x) {
+    const int H = m->hidden;
+    for (int r = 0; r < M; ++r)
+        for (int i = 0; i < H; i += 16) {
+            const __mmask16 k = lanes(H, i);
+            _mm512_mask_storeu_ps(x + r * H + i, k, load16(m, table, tokens[r] * H + i, k));
         }
-        __mmask16 seen = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-        if (visible) {
-            const __m128i vis = _mm_maskz_loadu_epi8(seen, visible + s0);
-            seen &= _mm_test_epi8_mask(vis, vis);
-        } else {
-            const int below = upto - s0; /* slots s0 + j < upto */
-            seen &= below >= 16 ? (__mmask16)0xffff : below <= 0 ? (__mmask16)0 : (__mmask16)((1u << below) - 1u);
-        }
-        const __m512 sc = _mm512_mask_blend_ps(seen, ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-        _mm512_storeu_ps(p + s0, sc);
-        vmax = _mm512_max_ps(vmax, sc);
-    }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int s0 = 0; s0 < S; s0 += 16) {
-        const __m512 sc = _mm512_loadu_ps(p + s0);
-        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sc, ninf, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(sc, mx)));
-        _mm512_storeu_ps(p + s0, e);
-        vsum = _mm512_add_ps(vsum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
-    for (int i0 = 0; i0 < d; i0 += 128) { /* up to eight accumulators of the output at a time */
-        const int c = d - i0 < 128 ? (d - i0) / 16 : 8;
-        __m512 o[8];
-        for (int k = 0; k < 8; ++k) o[k] = _mm512_setzero_ps();
-        for (int s = 0; s < S; ++s) {
-            if (p[s] == 0.f) continue; /* masked, or too small to count */
-            const __m512 w = _mm512_set1_ps(p[s]);
-            for (int k = 0; k < c; ++k)
-                o[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + (int64_t)s * d + i0 + 16 * k), o[k]);
-        }
-        for (int k = 0; k < c; ++k) _mm512_storeu_ps(out + i0 + 16 * k, _mm512_mul_ps(o[k], inv));
-    }
 }
 
 /* The forward of M rows: tokens[r] at RoPE position pos[r], its keys/values written to cache slot start + r.
@@ -219,7 +24,7 @@ static void attend_head(const float *q, const float *K, const float *V, int S, c
  * decode step, a causal prefill). logits[R, vocab] receive the lm_head rows logit_rows[0..R) (rounded to the
  * model's dtype). With tap_slot (per layer: -1, or j to store the layer's output as tap j) taps_out
  * [M, ntaps, hidden] (model dtype) receives the drafter's features. Returns 0, or -1 when out of memory.
- * Supported (checked by the caller): M <= 64, head_dim a multiple of 16 and at most 512. */
+ * Supported (checked by the caller): head_dim a multiple of 16 and at most 512. */
 int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t *pos, int64_t start,
                  const uint8_t *mask, float *k_cache, float *v_cache, int64_t capacity, int R,
                  const int64_t *logit_rows, float *logits, const int32_t *tap_slot, int ntaps, void *taps_out) {
@@ -229,7 +34,7 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     const int64_t head_stride = capacity * d, layer_stride = nkv * head_stride;
     const int S = (int)start + M; /* slots attended over */
     const int64_t io = (int64_t)M * (wide > H ? wide : H), lo = (int64_t)R * m->vocab;
-    const int S16 = (S + 15) & ~15; /* per (row, head) score scratch, whole vectors */
+    const int S16 = (S + 15) & ~15;
     float *buf = malloc(sizeof(float) * ((int64_t)M * (2 * H + wide + H + F + nq) + (int64_t)M * nh * S16));
     char *xs = malloc((size_t)esz * (2 * io + (lo > io ? lo : io)));
     if (!buf || !xs) {
@@ -240,61 +45,20 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     float *x = buf, *n = x + M * H, *proj = n + M * H, *att = proj + M * wide, *act = att + M * H,
           *heads_out = act + M * F, *probs = heads_out + M * nq;
     void *ys = xs + (size_t)esz * io;
-    const float scale = 1.f / sqrtf((float)d);
-    const int group = nh / nkv;
 
-    for (int r = 0; r < M; ++r)
-        for (int i = 0; i < H; i += 16) {
-            const __mmask16 k = lanes(H, i);
-            _mm512_mask_storeu_ps(x + r * H + i, k, load16(m, m->embed, tokens[r] * H + i, k));
-        }
+    embed_rows(m, m->embed, tokens, M, x);
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
         float *Kl = k_cache + l * layer_stride, *Vl = v_cache + l * layer_stride;
         for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->attn_norm, H, n + r * H);
         linear(m, L->qkv_w, L->qkv_b, n, M, qkv, H, xs, ys, proj); /* per row: q | k | v heads */
-        for (int r = 0; r < M; ++r) {
+        for (int r = 0; r < M; ++r) { /* every row's keys/values are in place before any row attends */
             float *row = proj + (int64_t)r * qkv;
-            for (int h = 0; h < nh + nkv; ++h) { /* Qwen3's per-head norms, then RoPE on every q and k head */
-                float *head = row + h * d;
-                if (L->q_norm) {
-                    float t[512];
-                    rms_norm(m, head, h < nh ? L->q_norm : L->k_norm, d, t);
-                    memcpy(head, t, sizeof(float) * d);
-                }
-                rope(m, head, pos[r]);
-            }
-            for (int g = 0; g < nkv; ++g) { /* every row's keys/values are in place before any row attends */
-                memcpy(Kl + g * head_stride + (start + r) * d, row + nq + g * d, sizeof(float) * d);
-                memcpy(Vl + g * head_stride + (start + r) * d, row + nq + nk + g * d, sizeof(float) * d);
-            }
+            norm_rope_heads(m, L, row, nh, nkv, pos[r]);
+            write_kv(m, Kl, Vl, head_stride, start + r, row + nq, row + nq + nk);
         }
-#pragma omp parallel for schedule(static) if ((int64_t)M * S >= 64)
-        for (int rh = 0; rh < M * nh; ++rh) {
-            const int r = rh / nh, h = rh % nh;
-            attend_head(proj + (int64_t)r * qkv + h * d, Kl + (h / group) * head_stride,
-                        Vl + (h / group) * head_stride, S, mask ? mask + (int64_t)r * S : NULL, (int)start + r + 1,
-                        d, scale, probs + (int64_t)rh * S16, heads_out + (int64_t)r * nq + h * d);
-        }
-        for (int64_t i = 0; i < (int64_t)M * nq; i += 16) { /* .to(dtype) before o_proj */
-            const __mmask16 k = lanes((int64_t)M * nq, i);
-            _mm512_mask_storeu_ps(heads_out + i, k, rnd16(m, _mm512_maskz_loadu_ps(k, heads_out + i)));
-        }
-        linear(m, L->o_w, L->o_b, heads_out, M, H, nq, xs, ys, att);
-        add_rounded(m, x, att, (int64_t)M * H);
-
-        for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->mlp_norm, H, n + r * H);
-        linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, ys, proj); /* per row: gate | up */
-        for (int r = 0; r < M; ++r) /* silu(gate) * up, each rounded */
-            for (int i = 0; i < F; i += 16) {
-                const __mmask16 k = lanes(F, i);
-                const __m512 g = _mm512_maskz_loadu_ps(k, proj + (int64_t)r * 2 * F + i);
-                const __m512 u = _mm512_maskz_loadu_ps(k, proj + (int64_t)r * 2 * F + F + i);
-                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-                _mm512_mask_storeu_ps(act + (int64_t)r * F + i, k, rnd16(m, _mm512_mul_ps(rnd16(m, silu), u)));
-            }
-        linear(m, L->down_w, L->down_b, act, M, H, F, xs, ys, att);
-        add_rounded(m, x, att, (int64_t)M * H);
+        attention(m, L, M, proj, qkv, Kl, Vl, head_stride, S, mask, (int)start + 1, probs, heads_out, x, xs, ys, att);
+        mlp(m, L, M, x, n, proj, act, xs, ys, att);
         if (tap_slot && tap_slot[l] >= 0)
             for (int r = 0; r < M; ++r) {
                 const int64_t off = ((int64_t)r * ntaps + tap_slot[l]) * H;

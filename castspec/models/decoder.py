@@ -15,7 +15,7 @@ from ..config import TargetConfig
 from ..kernels import WeightPack, linear
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 from . import native_step
-from .native_step import NativeStep, applies
+from .native_step import NativeStep, agrees, applies
 
 log = logging.getLogger("castspec")
 
@@ -144,16 +144,10 @@ class Decoder(nn.Module):
         if not step.checked:
             self._native_step = None
             ref = self.forward_segments(ids, positions, [seg], logit_rows, taps)
-            if not all(_close(a, b, self.dtype) for a, b in zip(out, ref) if b is not None):
+            if not agrees(out, ref, self.dtype):
                 log.warning("castspec: the native forward disagrees with the torch forward on this model; "
                             "using torch's")
                 return ref
             self._native_step = step
             step.checked = True
         return out
-
-
-def _close(a: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Equal up to rounding: relative to the largest value, as logits and hidden states have no fixed scale."""
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
-    return torch.allclose(a.float(), ref.float(), rtol=0, atol=tol * max(ref.abs().max().item(), 1.0))

@@ -7,6 +7,7 @@ target's lm_head, are q_1..q_L. The checkpoint has no embedding and no lm_head: 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,9 @@ from ..cache import KVCache, cache_dtype
 from ..kernels import WeightPack, linear
 from ..config import DrafterConfig
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
+from .native_step import NativeDraft, agrees, applies
+
+log = logging.getLogger("castspec")
 
 
 @dataclass
@@ -77,6 +81,11 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
         self._sub_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target head it came from, its rows)
         self._sub_pack = WeightPack()
+        self._native: NativeDraft | None | bool = False  # False: not looked up yet; None: does not apply
+
+    def _apply(self, fn, *args, **kwargs):
+        self._native = False  # weights moved or changed dtype: draft.c's pointers would be stale
+        return super()._apply(fn, *args, **kwargs)
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         self.draft_vocab = None if token_ids is None else token_ids.to(torch.long).to(self.fc.weight.device)
@@ -131,6 +140,10 @@ class DFlashDrafter(nn.Module):
     def forward_segments(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
                          ctx_pos: torch.Tensor, segments: list[DraftSegment]) -> torch.Tensor:
         """One pass for several requests: block and context rows are concatenated in segment order."""
+        if len(segments) == 1 and not torch.is_grad_enabled():
+            out = self._native_block(block_emb, block_pos, features, ctx_pos, segments[0])
+            if out is not None:
+                return out
         ctx = self.fuse_context(features)
         ctx_rope = self.rope(ctx_pos)
         block_rope = self.rope(block_pos)
@@ -141,3 +154,29 @@ class DFlashDrafter(nn.Module):
             if seg.cache is not None:
                 seg.cache.length = seg.start + seg.ctx_length
         return self.norm(x)
+
+    def _native_block(self, block_emb, block_pos, features, ctx_pos, seg: DraftSegment) -> torch.Tensor | None:
+        """The pass through csrc/draft.c for one request with a cache (decoding), or None where it does not
+        apply (the torch forward runs then). Its first use is checked against the torch forward, as the
+        target's native forward is (Decoder._native_forward)."""
+        if seg.cache is None or seg.mask is not None or block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
+                or not applies(seg.cache) or seg.start + seg.ctx_length + seg.block_length > seg.cache.capacity:
+            return None
+        if self._native is False:
+            self._native = NativeDraft.for_drafter(self)
+        native = self._native
+        if native is None:
+            return None
+        hidden = native(block_emb[0].to(self.dtype).contiguous(), block_pos.reshape(-1).contiguous(),
+                        features[0].to(self.dtype).contiguous(), ctx_pos.reshape(-1).contiguous(), seg.cache,
+                        seg.start).unsqueeze(0)
+        seg.cache.length = seg.start + seg.ctx_length
+        if not native.checked:
+            self._native = None
+            ref = self.forward_segments(block_emb, block_pos, features, ctx_pos, [seg])
+            if not agrees((hidden,), (ref,), self.dtype):
+                log.warning("castspec: the native drafter pass disagrees with the torch forward; using torch's")
+                return ref
+            self._native = native
+            native.checked = True
+        return hidden

@@ -1,5 +1,5 @@
-"""Forwards of a few rows (decode steps, packed trees) in one native call (castspec/csrc/step.c) on AVX-512
-CPUs.
+"""Forwards of a few rows (decode steps, packed trees; csrc/step.c) and the drafter's block pass (csrc/draft.c)
+in one native call each, on AVX-512 CPUs.
 
 Why: such a forward streams ~270 MB of bf16 weights (8 ms at this machine's read rate) but eager torch adds
 ~50 small ops per layer whose dispatch costs more than that on 2 cores. step.c runs the same layers
@@ -37,8 +37,39 @@ class _Model(ctypes.Structure):
                 ("layer", ctypes.POINTER(_Layer))]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+class _Kept:
+    """Tensors whose storage native code reads: kept alive here, their addresses handed out."""
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+
+    def __call__(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        self.tensors.append(t)
+        return t.data_ptr()
+
+
+def _layer_array(layers, keep: _Kept):
+    """layer.h's Layer structs for decoder or drafter layers (both have the HF layer's submodules)."""
+    out = (_Layer * len(layers))()
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_w, qkv_b = attn.qkv()
+        values = (layer.input_layernorm.weight, qkv_w, qkv_b, attn.o_proj.weight, attn.o_proj.bias,
+                  None if attn.q_norm is None else attn.q_norm.weight,
+                  None if attn.k_norm is None else attn.k_norm.weight, layer.post_attention_layernorm.weight,
+                  mlp.gate_up_weight, mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias)
+        for name, t in zip(_LAYER_FIELDS, values):
+            setattr(out[i], name, keep(t))
+    return out
+
+
+def _usable(dtype: torch.dtype, head_dim: int, tensors) -> bool:
+    """What step.c and draft.c need: CPU, fp32 or bf16, head_dim a multiple of 16 up to 512, contiguous
+    weights."""
+    return (dtype in (torch.float32, torch.bfloat16) and not head_dim % 16 and head_dim <= 512
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors))
 
 
 class NativeStep:
@@ -48,43 +79,23 @@ class NativeStep:
     def __init__(self, decoder, lib):
         cfg = decoder.cfg
         self._fn = lib.forward_rows
-        self._tensors = []  # every tensor whose pointer step.c holds
-
-        def keep(t):
-            if t is not None:
-                self._tensors.append(t)
-            return _ptr(t)
-
-        layers = (_Layer * cfg.num_layers)()
-        for i, layer in enumerate(decoder.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = attn.qkv()
-            values = (layer.input_layernorm.weight, qkv_w, qkv_b, attn.o_proj.weight, attn.o_proj.bias,
-                      None if attn.q_norm is None else attn.q_norm.weight,
-                      None if attn.k_norm is None else attn.k_norm.weight, layer.post_attention_layernorm.weight,
-                      mlp.gate_up_weight, mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias)
-            for name, t in zip(_LAYER_FIELDS, values):
-                setattr(layers[i], name, keep(t))
-        self._layers = layers
+        keep = self._kept = _Kept()
+        self._layers = _layer_array(decoder.model.layers, keep)
         self._model = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.vocab_size, decoder.dtype == torch.bfloat16,
                              cfg.rms_norm_eps, keep(decoder.model.embed_tokens.weight), keep(decoder.model.norm.weight),
                              keep(decoder.head_weight), keep(decoder.rope.cos), keep(decoder.rope.sin),
-                             ctypes.cast(layers, ctypes.POINTER(_Layer)))
+                             ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
         self._dtype = decoder.dtype
         self._tap_cache: dict[tuple[int, ...], torch.Tensor] = {}
-        self.checked = False  # whether a step was compared with the torch forward (Decoder._single_token)
+        self.checked = False  # whether a forward was compared with the torch forward (Decoder._native_forward)
 
     @staticmethod
     def for_decoder(decoder) -> "NativeStep | None":
         lib = native.library()
-        if lib is None or decoder.device.type != "cpu" or decoder.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        cfg = decoder.cfg
-        if cfg.head_dim % 16 or cfg.head_dim > 512:
-            return None
-        tensors = [*decoder.parameters(), decoder.rope.cos, decoder.rope.sin, *_matrices(decoder)]
-        if not all(t.is_contiguous() for t in tensors):
+        tensors = [*decoder.parameters(), decoder.rope.cos, decoder.rope.sin, *_matrices(decoder.model.layers),
+                   decoder.head_weight]
+        if lib is None or not _usable(decoder.dtype, decoder.cfg.head_dim, tensors):
             return None
         return NativeStep(decoder, lib)
 
@@ -123,12 +134,54 @@ class NativeStep:
         return slots
 
 
-def _matrices(decoder) -> list[torch.Tensor]:
-    out = [decoder.model.embed_tokens.weight, decoder.head_weight]
-    for layer in decoder.model.layers:
-        out += [layer.self_attn.qkv()[0], layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
-                layer.mlp.down_proj.weight]
-    return out
+def _matrices(layers) -> list[torch.Tensor]:
+    """The fused matrices (plain tensors, not Parameters) the native code reads besides the Parameters."""
+    return [t for layer in layers for t in (layer.self_attn.qkv()[0], layer.mlp.gate_up_weight)]
+
+
+class _DraftModel(ctypes.Structure):
+    _fields_ = [("base", _Model), ("fc", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p), ("fc_in", ctypes.c_int32)]
+
+
+class NativeDraft:
+    """The pointers draft.c reads for one DFlash drafter (dropped by `DFlashDrafter._apply`, as above)."""
+
+    def __init__(self, drafter, lib):
+        cfg = drafter.cfg
+        self._fn = lib.draft_block
+        keep = self._kept = _Kept()
+        self._layers = _layer_array(drafter.layers, keep)
+        base = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.intermediate_size, 0, drafter.dtype == torch.bfloat16, cfg.rms_norm_eps, None,
+                      keep(drafter.norm.weight), None, keep(drafter.rope.cos), keep(drafter.rope.sin),
+                      ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
+        self._model = _DraftModel(base, keep(drafter.fc.weight), keep(drafter.hidden_norm.weight),
+                                  drafter.fc.weight.shape[1])
+        self._dtype, self._hidden = drafter.dtype, cfg.hidden_size
+        self.checked = False  # whether a pass was compared with the torch forward (DFlashDrafter._native_block)
+
+    @staticmethod
+    def for_drafter(drafter) -> "NativeDraft | None":
+        lib = native.library()
+        tensors = [*drafter.parameters(), drafter.rope.cos, drafter.rope.sin, *_matrices(drafter.layers)]
+        if lib is None or not _usable(drafter.dtype, drafter.cfg.head_dim, tensors):
+            return None
+        return NativeDraft(drafter, lib)
+
+    def __call__(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
+                 ctx_pos: torch.Tensor, cache, start: int) -> torch.Tensor:
+        """Final-normed block rows [T, H] for block_emb [T, H] at block_pos [T], after writing the context rows
+        (features [C, taps * H] at ctx_pos [C]) to cache slots [start, start + C)."""
+        T, C = block_emb.shape[0], features.shape[0]
+        if start + C + T > cache.capacity:  # the block's keys need scratch slots after the context
+            raise ValueError(f"drafter cache overflow: {start + C + T} slots needed, capacity {cache.capacity}")
+        out = torch.empty(T, self._hidden, dtype=self._dtype)
+        rc = self._fn(ctypes.byref(self._model), C, features.data_ptr(), ctx_pos.data_ptr(), start, T,
+                      block_emb.data_ptr(), block_pos.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
+                      cache.capacity, out.data_ptr())
+        if rc != 0:
+            raise MemoryError("native drafter pass: out of memory")
+        return out
 
 
 # Above this many rows oneDNN's blocked products (and the torch forward around them) win on the machine this
@@ -140,3 +193,11 @@ def applies(cache) -> bool:
     """The cache layout step.c writes: fp32, one sequence, contiguous, on the CPU."""
     return (cache.k.dtype == torch.float32 and cache.k.shape[1] == 1 and cache.k.is_contiguous()
             and cache.v.is_contiguous() and cache.k.device.type == "cpu")
+
+
+def agrees(native_out: tuple, torch_out: tuple, dtype: torch.dtype) -> bool:
+    """A native forward's outputs equal the torch forward's up to rounding (relative to the largest value:
+    logits and hidden states have no fixed scale). Used once per model, on its first native forward."""
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    return all(torch.allclose(a.float(), b.float(), rtol=0, atol=tol * max(b.abs().max().item(), 1.0))
+               for a, b in zip(native_out, torch_out) if b is not None)
