@@ -44,8 +44,8 @@ def engine_key(engine) -> dict:
     if dev.type == "cpu" and packing_available():
         name += "-packed"  # the packed linears changed every cost: profiles measured without them are stale
     if dev.type == "cpu" and native.library() is not None:
-        # so did castspec's own kernels for a few rows, and its native forwards
-        name += f"-native{native.MAX_ROWS[engine.dtype]}-rows{native_step.MAX_ROWS}"
+        # so did castspec's own kernels for a few rows, and its native forwards (target and drafter)
+        name += f"-native{native.MAX_ROWS[engine.dtype]}-rows{native_step.max_rows(engine.dtype)}-draft"
     drafter = "none"
     if engine.drafter is not None:
         # the drafter's shape, not only where it came from: a retrained drafter at the same path (a new

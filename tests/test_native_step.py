@@ -132,7 +132,7 @@ def test_native_prefill_and_tree_match_torch(name, dtype):
         same(out[0][0], out[1][0])
         same(out[0][1], out[1][1])
         start = 11
-        for width in (1, 5, native_step.MAX_ROWS - 1):
+        for width in (1, 5, native_step.max_rows(dtype) - 1):
             lp = torch.log_softmax(torch.randn(4, cfg.vocab_size, generator=g) * 3, dim=-1)
             pack = pack_tree(build_tree(lp, width, 4), 7, start, "cpu")
             out = [m(pack.ids, pack.positions, c, start, mask=pack.mask, taps=(0, 3)) for m, c in zip((fast, ref), caches)]
@@ -152,7 +152,7 @@ def test_forwards_beyond_the_row_limit_run_on_torch(monkeypatch):
     target = native_target(make_hf(llama_config()))
     with torch.inference_mode():
         cache = target.new_cache(64)
-        n = native_step.MAX_ROWS + 1
+        n = native_step.max_rows(target.dtype) + 1
         target(torch.arange(n).view(1, -1) % 40, torch.arange(n).view(1, -1), cache, 0, causal=True)
         target(torch.tensor([[3]]), torch.tensor([[n]]), cache, n)
     assert calls == [1]

@@ -120,14 +120,14 @@ class Decoder(nn.Module):
 
     def _native_forward(self, ids, positions, seg: Segment, logit_rows, taps: tuple[int, ...]):
         """The forward through step.c, returned as `forward_segments` does, or None where step.c does not apply
-        (the torch forward runs then): one cache, at most native_step.MAX_ROWS rows, a tree mask or the
+        (the torch forward runs then): one cache, at most native_step.max_rows(dtype) rows, a tree mask or the
         causal triangle.
 
         The model's first native forward is also run through torch (writing the same cache slots again) and
         the two compared: a disagreement, which only a platform or shape step.c mishandles can cause, turns the
         native path off for this model."""
         M = ids.numel()
-        if not 0 < M <= native_step.MAX_ROWS or ids.shape[0] != 1 or ids.device.type != "cpu":
+        if not 0 < M <= native_step.max_rows(self.dtype) or ids.shape[0] != 1 or ids.device.type != "cpu":
             return None
         if (seg.mask is None and M > 1 and not seg.causal) or (seg.mask is not None and seg.mask.dtype != torch.bool):
             return None  # every row seeing every slot is no decoding pattern; float masks are not trees
