@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every measurement the README quotes, in one run on one machine (about 45 minutes on 2 CPU cores).
+# Every measurement the README quotes, in one run on one machine (about 40 minutes on 2 CPU cores).
 # Results land in docs/results/; the machine is noisy, so compare ratios within one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ $C probe --drafter runs/drafter-full-vocab --packed 1,8 --prefix-lens 128,512 --
 # ar vs transformers per dtype, the weight-bandwidth floor, host share at N = 63
 $PY -m castspec.bench.engine --out docs/results/engine.json
 # end to end: ar, chain, cast (auto, auto + calibration, fixed), transformers
-$C bench --n 5 --max-new-tokens 96 --methods ar,chain,cast:auto,cast:auto+cal,cast:7,cast:15,hf \
+$C bench --n 5 --max-new-tokens 96 --methods ar,chain,cast:auto,cast:auto+cal,cast:3,cast:7,cast:15,hf \
     --out docs/results/bench
 $C bench --drafter runs/drafter-full-vocab --n 5 --max-new-tokens 96 --methods ar,cast:7 --out docs/results/bench-full-vocab
 # sampling at T = 1: chain vs tree vs auto, three seeds
