@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from castspec import native
+from castspec.cache import Segment
 from castspec.models import native_step
 from castspec.models.native_step import NativeDraft, NativeStep
 from castspec.pack import pack_tree
@@ -89,8 +90,8 @@ def test_disagreeing_native_step_turns_itself_off(monkeypatch, caplog):
     """The first native step is compared with torch's; a wrong one is reported once and never used."""
     calls = []
 
-    def broken(self, ids, positions, cache, start, mask, logit_rows, taps=()):
-        calls.append(start)
+    def broken(self, ids, positions, segments, logit_rows, taps=()):
+        calls.append(segments[0].start)
         return torch.zeros(logit_rows.numel(), self._model.vocab), None
 
     monkeypatch.setattr(NativeStep, "__call__", broken)
@@ -190,3 +191,37 @@ def test_native_drafter_pass_matches_torch(dtype):
         assert states[0].cache.length == n == 10
         torch.testing.assert_close(states[0].cache.k[..., :n, :], states[1].cache.k[..., :n, :], rtol=tol, atol=tol)
         torch.testing.assert_close(states[0].cache.v[..., :n, :], states[1].cache.v[..., :n, :], rtol=tol, atol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_ragged_forward_matches_torch(dtype):
+    """Several requests in one forward (serving): a decode row, a packed tree and a causal prompt chunk, each on
+    its own cache at its own prefix length, against the torch forward of the same segments."""
+    cfg = llama_config()
+    fast, ref = native_target(make_hf(cfg, seed=7), dtype), native_target(make_hf(cfg, seed=7), dtype)
+    _torch_only(ref)
+    g = torch.Generator().manual_seed(3)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    with torch.inference_mode():
+        caches = {}
+        for name, model in (("fast", fast), ("ref", ref)):
+            a, b, c = model.new_cache(64), model.new_cache(64), model.new_cache(64)
+            for cache, n in ((a, 9), (b, 4)):  # two requests with prompts already in their caches
+                ids = torch.arange(n).view(1, -1) * 3 % cfg.vocab_size
+                model(ids, torch.arange(n).view(1, -1), cache, 0, causal=True)
+            caches[name] = (a, b, c)
+        lp = torch.log_softmax(torch.randn(3, cfg.vocab_size, generator=g) * 3, dim=-1)
+        pack = pack_tree(build_tree(lp, 5, 3), 11, 4, "cpu")
+        ids = torch.cat([torch.tensor([[5]]), pack.ids, torch.tensor([[7, 8, 9]])], dim=1)
+        pos = torch.cat([torch.tensor([[9]]), pack.positions, torch.arange(3).view(1, -1)], dim=1)
+        out = {}
+        for name, model in (("fast", fast), ("ref", ref)):
+            a, b, c = caches[name]
+            segments = [Segment(a, 9, 1), Segment(b, 4, 6, pack.mask), Segment(c, 0, 3, causal=True)]
+            out[name] = model.forward_segments(ids, pos, segments, taps=(1,))
+        for got, want in zip(out["fast"], out["ref"]):
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+        assert fast._native_step.checked
+        for got, want in zip(caches["fast"], caches["ref"]):
+            torch.testing.assert_close(got.k, want.k, rtol=tol, atol=tol)

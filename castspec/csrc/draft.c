@@ -32,9 +32,11 @@ int draft_block(const DraftModel *dm, int C, const void *features, const int64_t
     const int64_t io = (int64_t)rows * (wide > H ? wide : H);
     float *buf = malloc(sizeof(float) * ((int64_t)rows * (3 * H + wide + F + nq) + (int64_t)T * nh * S16));
     char *xs = malloc((size_t)esz * 2 * io);
-    if (!buf || !xs) {
+    RowAttn *see = malloc(sizeof(RowAttn) * T);
+    if (!buf || !xs || !see) {
         free(buf);
         free(xs);
+        free(see);
         return -1;
     }
     float *x = buf, *ctx = x + rows * H, *n = ctx + rows * H, *proj = n + rows * H, *act = proj + rows * wide,
@@ -70,7 +72,8 @@ int draft_block(const DraftModel *dm, int C, const void *features, const int64_t
             write_kv(m, Kl, Vl, head_stride, start + C + t, row + nq, row + nq + nk);
         }
         /* n is free again once the block's projections are taken: it holds attention's and the MLP's outputs */
-        attention(m, L, T, proj, qkv, Kl, Vl, head_stride, S, NULL, S, probs, heads_out, x, xs, ys, n);
+        for (int t = 0; t < T; ++t) see[t] = (RowAttn){Kl, Vl, head_stride, S, S, NULL}; /* everything */
+        attention(m, L, T, proj, qkv, see, S16, probs, heads_out, x, xs, ys, n);
         mlp(m, L, T, x, n, proj, act, xs, ys, n);
     }
     for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, m->final_norm, H, n + t * H);
@@ -78,5 +81,6 @@ int draft_block(const DraftModel *dm, int C, const void *features, const int64_t
     else memcpy(out, n, sizeof(float) * T * H);
     free(buf);
     free(xs);
+    free(see);
     return 0;
 }

@@ -236,20 +236,28 @@ static void write_kv(const StepModel *m, float *K, float *V, int64_t head_stride
     }
 }
 
-/* Attention of M rows' query heads (row r's at q + r * ldq) over slots [0, S) of one layer's cache, row r
- * seeing what mask[r * S + s] allows or, without a mask, slots [0, upto0 + r); then the output projection
- * and the residual into x [M, hidden]. probs is scratch of M * heads * S16 floats, heads_out of M * heads * d. */
-static void attention(const StepModel *m, const Layer *L, int M, const float *q, int64_t ldq, const float *K,
-                      const float *V, int64_t head_stride, int S, const uint8_t *mask, int upto0, float *probs,
-                      float *heads_out, float *x, void *xs, void *ys, float *att) {
-    const int d = m->head_dim, nh = m->heads, nq = nh * d, group = nh / m->kv_heads, S16 = (S + 15) & ~15;
+/* What one row attends over at the current layer: its cache ([kv_heads, capacity, head_dim] from K and V), the
+ * slots [0, S) that `visible` allows (NULL: the first `upto`). */
+typedef struct {
+    const float *K, *V;
+    int64_t head_stride; /* capacity * head_dim */
+    int S, upto;
+    const uint8_t *visible;
+} RowAttn;
+
+/* Attention of M rows' query heads (row r's at q + r * ldq), each over its own RowAttn; then the output
+ * projection and the residual into x [M, hidden]. probs is scratch of M * heads * S16 floats (S16: the largest
+ * S rounded up to 16), heads_out of M * heads * head_dim. */
+static void attention(const StepModel *m, const Layer *L, int M, const float *q, int64_t ldq, const RowAttn *rows,
+                      int S16, float *probs, float *heads_out, float *x, void *xs, void *ys, float *att) {
+    const int d = m->head_dim, nh = m->heads, nq = nh * d, group = nh / m->kv_heads;
     const float scale = 1.f / sqrtf((float)d);
-#pragma omp parallel for schedule(static) if ((int64_t)M * S >= 64)
+#pragma omp parallel for schedule(static) if ((int64_t)M * rows[0].S >= 64)
     for (int rh = 0; rh < M * nh; ++rh) {
         const int r = rh / nh, h = rh % nh;
-        attend_head(q + r * ldq + h * d, K + (h / group) * head_stride, V + (h / group) * head_stride, S,
-                    mask ? mask + (int64_t)r * S : NULL, upto0 + r, d, scale, probs + (int64_t)rh * S16,
-                    heads_out + (int64_t)r * nq + h * d);
+        const RowAttn *a = &rows[r];
+        attend_head(q + r * ldq + h * d, a->K + (h / group) * a->head_stride, a->V + (h / group) * a->head_stride,
+                    a->S, a->visible, a->upto, d, scale, probs + (int64_t)rh * S16, heads_out + (int64_t)r * nq + h * d);
     }
     for (int64_t i = 0; i < (int64_t)M * nq; i += 16) { /* .to(dtype) before o_proj */
         const __mmask16 k = lanes((int64_t)M * nq, i);

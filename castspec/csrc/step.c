@@ -19,27 +19,40 @@ static void embed_rows(const StepModel *m, const void *table, const int64_t *tok
         }
 }
 
-/* The forward of M rows: tokens[r] at RoPE position pos[r], its keys/values written to cache slot start + r.
- * Row r sees the slots mask[r * (start + M) + s] != 0 allows, or without a mask slots [0, start + r] (a
- * decode step, a causal prefill). logits[R, vocab] receive the lm_head rows logit_rows[0..R) (rounded to the
- * model's dtype). With tap_slot (per layer: -1, or j to store the layer's output as tap j) taps_out
- * [M, ntaps, hidden] (model dtype) receives the drafter's features. Returns 0, or -1 when out of memory.
- * Supported (checked by the caller): head_dim a multiple of 16 and at most 512. */
-int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t *pos, int64_t start,
-                 const uint8_t *mask, float *k_cache, float *v_cache, int64_t capacity, int R,
-                 const int64_t *logit_rows, float *logits, const int32_t *tap_slot, int ntaps, void *taps_out) {
+/* One request's rows in a forward: its cache (fp32 [layers, 1, kv_heads, capacity, head_dim]), where its rows'
+ * keys/values go (slots start ..), and what they see: mask [rows, start + rows] (nonzero = visible) or, when
+ * NULL, slots [0, start + r] for its row r (a decode step, a causal prefill chunk). Same layout as
+ * native_step.py's _Segment. */
+typedef struct {
+    float *k, *v;
+    int64_t capacity, start;
+    int32_t rows;
+    const uint8_t *mask;
+} Segment;
+
+/* The forward of M rows, split in order into `nseg` segments (one per request): tokens[r] at RoPE position
+ * pos[r]. logits[R, vocab] receive the lm_head rows logit_rows[0..R) (rounded to the model's dtype). With
+ * tap_slot (per layer: -1, or j to store the layer's output as tap j) taps_out [M, ntaps, hidden] (model dtype)
+ * receives the drafter's features. Returns 0, or -1 when out of memory. Supported (checked by the caller):
+ * head_dim a multiple of 16 and at most 512. */
+int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t *pos, int nseg,
+                 const Segment *segs, int R, const int64_t *logit_rows, float *logits, const int32_t *tap_slot,
+                 int ntaps, void *taps_out) {
     const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads, F = m->inter;
     const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk, esz = m->bf16 ? 2 : 4;
     const int wide = 2 * F > qkv ? 2 * F : qkv; /* the widest activation row */
-    const int64_t head_stride = capacity * d, layer_stride = nkv * head_stride;
-    const int S = (int)start + M; /* slots attended over */
+    int Smax = 1;
+    for (int g = 0; g < nseg; ++g)
+        if (segs[g].start + segs[g].rows > Smax) Smax = (int)(segs[g].start + segs[g].rows);
+    const int S16 = (Smax + 15) & ~15;
     const int64_t io = (int64_t)M * (wide > H ? wide : H), lo = (int64_t)R * m->vocab;
-    const int S16 = (S + 15) & ~15;
     float *buf = malloc(sizeof(float) * ((int64_t)M * (2 * H + wide + H + F + nq) + (int64_t)M * nh * S16));
     char *xs = malloc((size_t)esz * (2 * io + (lo > io ? lo : io)));
-    if (!buf || !xs) {
+    RowAttn *see = malloc(sizeof(RowAttn) * M);
+    if (!buf || !xs || !see) {
         free(buf);
         free(xs);
+        free(see);
         return -1;
     }
     float *x = buf, *n = x + M * H, *proj = n + M * H, *att = proj + M * wide, *act = att + M * H,
@@ -49,15 +62,21 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     embed_rows(m, m->embed, tokens, M, x);
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
-        float *Kl = k_cache + l * layer_stride, *Vl = v_cache + l * layer_stride;
         for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->attn_norm, H, n + r * H);
         linear(m, L->qkv_w, L->qkv_b, n, M, qkv, H, xs, ys, proj); /* per row: q | k | v heads */
-        for (int r = 0; r < M; ++r) { /* every row's keys/values are in place before any row attends */
-            float *row = proj + (int64_t)r * qkv;
-            norm_rope_heads(m, L, row, nh, nkv, pos[r]);
-            write_kv(m, Kl, Vl, head_stride, start + r, row + nq, row + nq + nk);
+        for (int g = 0, r = 0; g < nseg; ++g) { /* every row's keys/values are in place before any row attends */
+            const Segment *sg = &segs[g];
+            const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
+            const int S = (int)(sg->start + sg->rows);
+            for (int j = 0; j < sg->rows; ++j, ++r) {
+                float *row = proj + (int64_t)r * qkv;
+                norm_rope_heads(m, L, row, nh, nkv, pos[r]);
+                write_kv(m, sg->k + layer, sg->v + layer, head_stride, sg->start + j, row + nq, row + nq + nk);
+                see[r] = (RowAttn){sg->k + layer, sg->v + layer, head_stride, S, (int)sg->start + j + 1,
+                                   sg->mask ? sg->mask + (int64_t)j * S : NULL};
+            }
         }
-        attention(m, L, M, proj, qkv, Kl, Vl, head_stride, S, mask, (int)start + 1, probs, heads_out, x, xs, ys, att);
+        attention(m, L, M, proj, qkv, see, S16, probs, heads_out, x, xs, ys, att);
         mlp(m, L, M, x, n, proj, act, xs, ys, att);
         if (tap_slot && tap_slot[l] >= 0)
             for (int r = 0; r < M; ++r) {
@@ -76,5 +95,6 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     }
     free(buf);
     free(xs);
+    free(see);
     return 0;
 }

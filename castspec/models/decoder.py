@@ -99,8 +99,8 @@ class Decoder(nn.Module):
                          logit_rows: torch.Tensor | slice | None = None, taps: tuple[int, ...] = ()):
         """The ragged forward: the rows of ids/positions [B,T] are split, in order, into `segments`, each with
         its own cache, slots and mask (one request each when serving). Returns as `forward`."""
-        if len(segments) == 1 and len(set(taps)) == len(taps) and not torch.is_grad_enabled():
-            out = self._native_forward(ids, positions, segments[0], logit_rows, taps)
+        if len(set(taps)) == len(taps) and not torch.is_grad_enabled():
+            out = self._native_forward(ids, positions, segments, logit_rows, taps)
             if out is not None:
                 return out
         x = self.embed(ids)
@@ -118,10 +118,10 @@ class Decoder(nn.Module):
         rows = x if logit_rows is None else x[:, logit_rows]
         return self.logits(rows), features
 
-    def _native_forward(self, ids, positions, seg: Segment, logit_rows, taps: tuple[int, ...]):
+    def _native_forward(self, ids, positions, segments: list[Segment], logit_rows, taps: tuple[int, ...]):
         """The forward through step.c, returned as `forward_segments` does, or None where step.c does not apply
-        (the torch forward runs then): one cache, at most native_step.max_rows(dtype) rows, a tree mask or the
-        causal triangle.
+        (the torch forward runs then): at most native_step.max_rows(dtype) rows in all, every segment with a
+        tree mask or the causal triangle on a cache step.c can write.
 
         The model's first native forward is also run through torch (writing the same cache slots again) and
         the two compared: a disagreement, which only a platform or shape step.c mishandles can cause, turns the
@@ -129,21 +129,22 @@ class Decoder(nn.Module):
         M = ids.numel()
         if not 0 < M <= native_step.max_rows(self.dtype) or ids.shape[0] != 1 or ids.device.type != "cpu":
             return None
-        if (seg.mask is None and M > 1 and not seg.causal) or (seg.mask is not None and seg.mask.dtype != torch.bool):
-            return None  # every row seeing every slot is no decoding pattern; float masks are not trees
+        for seg in segments:
+            if (seg.mask is None and seg.length > 1 and not seg.causal) or not applies(seg.cache) \
+                    or (seg.mask is not None and seg.mask.dtype != torch.bool):
+                return None  # every row seeing every slot is no decoding pattern; float masks are not trees
         if self._native_step is False:
             self._native_step = NativeStep.for_decoder(self)
         step = self._native_step
-        if step is None or not applies(seg.cache):
+        if step is None:
             return None
         rows = torch.arange(M) if logit_rows is None else torch.arange(M)[logit_rows].view(-1)
-        mask = None if seg.mask is None else seg.mask.reshape(M, seg.start + M).contiguous()
-        logits, features = step(ids.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), seg.cache,
-                                seg.start, mask, rows, taps)
+        logits, features = step(ids.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), segments, rows,
+                                taps)
         out = logits.unsqueeze(0), None if features is None else features.unsqueeze(0)
         if not step.checked:
             self._native_step = None
-            ref = self.forward_segments(ids, positions, [seg], logit_rows, taps)
+            ref = self.forward_segments(ids, positions, segments, logit_rows, taps)
             if not agrees(out, ref, self.dtype):
                 log.warning("castspec: the native forward disagrees with the torch forward on this model; "
                             "using torch's")

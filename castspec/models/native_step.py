@@ -29,6 +29,11 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
 
 
+class _Segment(ctypes.Structure):  # step.c's Segment
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("start", ctypes.c_int64), ("rows", ctypes.c_int32), ("mask", ctypes.c_void_p)]
+
+
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
                                                        "vocab", "bf16")),
@@ -99,24 +104,31 @@ class NativeStep:
             return None
         return NativeStep(decoder, lib)
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, start: int, mask: torch.Tensor | None,
-                 logit_rows: torch.Tensor, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward of the M rows ids/positions [M] written to cache slots [start, start + M).
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, segments, logit_rows: torch.Tensor,
+                 taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of the M rows ids/positions [M], split in order into `segments` (cache.Segment: one cache,
+        its slots, a bool mask [1, 1, rows, start + rows] or none for the causal triangle).
 
-        mask: bool [M, start + M] (True = may attend) or None for the causal triangle (one row: everything).
         Returns (logits [R, V] fp32 of the rows in `logit_rows` [R], hidden states after the layers in `taps`
         [M, len(taps) * H] in the model's dtype, None without taps)."""
         M = ids.numel()
-        if start + M > cache.capacity:
-            raise ValueError(f"KV cache overflow: {start + M} slots needed, capacity {cache.capacity}")
+        segs = (_Segment * len(segments))()
+        masks = []  # kept alive for the call
+        for i, seg in enumerate(segments):
+            if seg.start + seg.length > seg.cache.capacity:
+                raise ValueError(f"KV cache overflow: {seg.start + seg.length} slots needed, "
+                                 f"capacity {seg.cache.capacity}")
+            mask = None if seg.mask is None else seg.mask.reshape(seg.length, seg.start + seg.length).contiguous()
+            masks.append(mask)
+            segs[i] = _Segment(seg.cache.k.data_ptr(), seg.cache.v.data_ptr(), seg.cache.capacity, seg.start,
+                               seg.length, None if mask is None else mask.data_ptr())
         logits = torch.empty(logit_rows.numel(), self._model.vocab, dtype=torch.float32)
         features = tap_slot = None
         if taps:
             features = torch.empty(M, len(taps) * self._model.hidden, dtype=self._dtype)
             tap_slot = self._tap_slots(taps)
-        rc = self._fn(ctypes.byref(self._model), M, ids.data_ptr(), positions.data_ptr(), start,
-                      None if mask is None else mask.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
-                      cache.capacity, logit_rows.numel(), logit_rows.data_ptr(), logits.data_ptr(),
+        rc = self._fn(ctypes.byref(self._model), M, ids.data_ptr(), positions.data_ptr(), len(segments), segs,
+                      logit_rows.numel(), logit_rows.data_ptr(), logits.data_ptr(),
                       None if tap_slot is None else tap_slot.data_ptr(), len(taps),
                       None if features is None else features.data_ptr())
         if rc != 0:
