@@ -168,8 +168,8 @@ def test_forwards_beyond_the_row_limit_run_on_torch(monkeypatch):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_drafter_pass_matches_torch(dtype):
-    """Rounds of drafting through draft.c and through torch: the same log-probabilities (and the same
-    draft-vocabulary support), the same context in the drafter's cache."""
+    """Rounds of drafting through draft.c and through torch, two requests per pass: the same log-probabilities
+    (and the same draft-vocabulary support), the same context in each drafter cache."""
     target = native_target(make_hf(llama_config(vocab=64), seed=1), dtype)
     fast, ref = random_drafter(target).converted(dtype), random_drafter(target).converted(dtype)
     ref._native = None  # torch only
@@ -177,20 +177,23 @@ def test_native_drafter_pass_matches_torch(dtype):
     width = len(fast.cfg.target_layer_ids) * target.cfg.hidden_size
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     with torch.inference_mode():
-        states = DraftState(fast, 64), DraftState(ref, 64)
-        for new_rows in (6, 1, 3):
-            feats = torch.randn(1, new_rows, width, generator=g).to(dtype)
-            for st in states:
-                st.add_context(feats)
-            got, want = (propose_batch(target, st.drafter, [st], [5], [7])[0] for st in states)
-            assert torch.equal(torch.isfinite(got), torch.isfinite(want))
-            seen = torch.isfinite(want)
-            torch.testing.assert_close(got[seen], want[seen], rtol=tol, atol=tol * want[seen].abs().max().item())
+        # two requests drafted in one pass (serving), with different context lengths and depths
+        states = {m: (DraftState(m, 64), DraftState(m, 64)) for m in (fast, ref)}
+        for new_rows in ((6, 2), (1, 4), (3, 1)):
+            feats = [torch.randn(1, n, width, generator=g).to(dtype) for n in new_rows]
+            for pair in states.values():
+                for st, f in zip(pair, feats):
+                    st.add_context(f)
+            got, want = (propose_batch(target, m, list(pair), [5, 9], [7, 4]) for m, pair in states.items())
+            for a, b in zip(got, want):
+                assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+                seen = torch.isfinite(b)
+                torch.testing.assert_close(a[seen], b[seen], rtol=tol, atol=tol * b[seen].abs().max().item())
         assert isinstance(fast._native, NativeDraft) and fast._native.checked
-        n = states[1].cache.length
-        assert states[0].cache.length == n == 10
-        torch.testing.assert_close(states[0].cache.k[..., :n, :], states[1].cache.k[..., :n, :], rtol=tol, atol=tol)
-        torch.testing.assert_close(states[0].cache.v[..., :n, :], states[1].cache.v[..., :n, :], rtol=tol, atol=tol)
+        for a, b, n in zip(states[fast], states[ref], (10, 7)):
+            assert a.cache.length == b.cache.length == n
+            torch.testing.assert_close(a.cache.k[..., :n, :], b.cache.k[..., :n, :], rtol=tol, atol=tol)
+            torch.testing.assert_close(a.cache.v[..., :n, :], b.cache.v[..., :n, :], rtol=tol, atol=tol)
 
 
 @needs_native

@@ -140,8 +140,8 @@ class DFlashDrafter(nn.Module):
     def forward_segments(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
                          ctx_pos: torch.Tensor, segments: list[DraftSegment]) -> torch.Tensor:
         """One pass for several requests: block and context rows are concatenated in segment order."""
-        if len(segments) == 1 and not torch.is_grad_enabled():
-            out = self._native_block(block_emb, block_pos, features, ctx_pos, segments[0])
+        if not torch.is_grad_enabled():
+            out = self._native_block(block_emb, block_pos, features, ctx_pos, segments)
             if out is not None:
                 return out
         ctx = self.fuse_context(features)
@@ -155,25 +155,29 @@ class DFlashDrafter(nn.Module):
                 seg.cache.length = seg.start + seg.ctx_length
         return self.norm(x)
 
-    def _native_block(self, block_emb, block_pos, features, ctx_pos, seg: DraftSegment) -> torch.Tensor | None:
-        """The pass through csrc/draft.c for one request with a cache (decoding), or None where it does not
+    def _native_block(self, block_emb, block_pos, features, ctx_pos, segments: list[DraftSegment]):
+        """The pass through csrc/draft.c when every request has a cache (decoding), or None where it does not
         apply (the torch forward runs then). Its first use is checked against the torch forward, as the
         target's native forward is (Decoder._native_forward)."""
-        if seg.cache is None or seg.mask is not None or block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
-                or not applies(seg.cache) or seg.start + seg.ctx_length + seg.block_length > seg.cache.capacity:
+        if block_emb.shape[0] != 1 or block_emb.device.type != "cpu":
             return None
+        for seg in segments:
+            if seg.cache is None or seg.mask is not None or not applies(seg.cache) \
+                    or seg.start + seg.ctx_length + seg.block_length > seg.cache.capacity:
+                return None
         if self._native is False:
             self._native = NativeDraft.for_drafter(self)
         native = self._native
         if native is None:
             return None
         hidden = native(block_emb[0].to(self.dtype).contiguous(), block_pos.reshape(-1).contiguous(),
-                        features[0].to(self.dtype).contiguous(), ctx_pos.reshape(-1).contiguous(), seg.cache,
-                        seg.start).unsqueeze(0)
-        seg.cache.length = seg.start + seg.ctx_length
+                        features[0].to(self.dtype).contiguous(), ctx_pos.reshape(-1).contiguous(),
+                        segments).unsqueeze(0)
+        for seg in segments:
+            seg.cache.length = seg.start + seg.ctx_length
         if not native.checked:
             self._native = None
-            ref = self.forward_segments(block_emb, block_pos, features, ctx_pos, [seg])
+            ref = self.forward_segments(block_emb, block_pos, features, ctx_pos, segments)
             if not agrees((hidden,), (ref,), self.dtype):
                 log.warning("castspec: the native drafter pass disagrees with the torch forward; using torch's")
                 return ref

@@ -151,6 +151,11 @@ def _matrices(layers) -> list[torch.Tensor]:
     return [t for layer in layers for t in (layer.self_attn.qkv()[0], layer.mlp.gate_up_weight)]
 
 
+class _DraftSegment(ctypes.Structure):  # draft.c's DraftSegment
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("start", ctypes.c_int64), ("ctx_rows", ctypes.c_int32), ("block_rows", ctypes.c_int32)]
+
+
 class _DraftModel(ctypes.Structure):
     _fields_ = [("base", _Model), ("fc", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p), ("fc_in", ctypes.c_int32)]
 
@@ -181,16 +186,21 @@ class NativeDraft:
         return NativeDraft(drafter, lib)
 
     def __call__(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
-                 ctx_pos: torch.Tensor, cache, start: int) -> torch.Tensor:
+                 ctx_pos: torch.Tensor, segments) -> torch.Tensor:
         """Final-normed block rows [T, H] for block_emb [T, H] at block_pos [T], after writing the context rows
-        (features [C, taps * H] at ctx_pos [C]) to cache slots [start, start + C)."""
+        (features [C, taps * H] at ctx_pos [C]) to their caches; rows of both are split in order into
+        `segments` (dflash.DraftSegment, one request each)."""
         T, C = block_emb.shape[0], features.shape[0]
-        if start + C + T > cache.capacity:  # the block's keys need scratch slots after the context
-            raise ValueError(f"drafter cache overflow: {start + C + T} slots needed, capacity {cache.capacity}")
+        segs = (_DraftSegment * len(segments))()
+        for i, seg in enumerate(segments):
+            need = seg.start + seg.ctx_length + seg.block_length  # the block's keys need scratch slots too
+            if need > seg.cache.capacity:
+                raise ValueError(f"drafter cache overflow: {need} slots needed, capacity {seg.cache.capacity}")
+            segs[i] = _DraftSegment(seg.cache.k.data_ptr(), seg.cache.v.data_ptr(), seg.cache.capacity, seg.start,
+                                    seg.ctx_length, seg.block_length)
         out = torch.empty(T, self._hidden, dtype=self._dtype)
-        rc = self._fn(ctypes.byref(self._model), C, features.data_ptr(), ctx_pos.data_ptr(), start, T,
-                      block_emb.data_ptr(), block_pos.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(),
-                      cache.capacity, out.data_ptr())
+        rc = self._fn(ctypes.byref(self._model), len(segments), segs, C, features.data_ptr(), ctx_pos.data_ptr(), T,
+                      block_emb.data_ptr(), block_pos.data_ptr(), out.data_ptr())
         if rc != 0:
             raise MemoryError("native drafter pass: out of memory")
         return out
