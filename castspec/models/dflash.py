@@ -17,6 +17,7 @@ from ..cache import KVCache, cache_dtype
 from ..kernels import WeightPack, linear
 from ..config import DrafterConfig
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
+from . import native_step
 from .native_step import NativeDraft, agrees, applies
 
 log = logging.getLogger("castspec")
@@ -156,11 +157,12 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def _native_block(self, block_emb, block_pos, features, ctx_pos, segments: list[DraftSegment]):
-        """The pass through csrc/draft.c when every request has a cache (decoding), or None where it does not
-        apply (the torch forward runs then). Its first use is checked against the torch forward, as the
+        """The pass through csrc/draft.c when every request has a cache (decoding) and the blocks are few rows
+        in all, or None where it does not apply (the torch forward runs then). Its first use is checked against the torch forward, as the
         target's native forward is (Decoder._native_forward)."""
-        if block_emb.shape[0] != 1 or block_emb.device.type != "cpu":
-            return None
+        if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
+                or block_emb.shape[1] > native_step.max_rows(self.dtype):
+            return None  # several requests' blocks: oneDNN's blocked products win at that many rows
         for seg in segments:
             if seg.cache is None or seg.mask is not None or not applies(seg.cache) \
                     or seg.start + seg.ctx_length + seg.block_length > seg.cache.capacity:

@@ -5,21 +5,18 @@ Why: such a forward streams ~270 MB of bf16 weights (8 ms at this machine's read
 ~50 small ops per layer whose dispatch costs more than that on 2 cores. step.c runs the same layers
 (products on castspec's own kernels, the rest in plain C) with the model's rounding at the same places.
 
-`NativeStep.for_decoder` returns None where it does not apply (no native library, another device,
-unsupported shapes); the first native forward of each model is cross-checked against the torch forward, and
-a disagreement turns the native path off for that model with a warning.
+`NativeStep.for_decoder` and `NativeDraft.for_drafter` return None where they do not apply (no native library,
+another device, unsupported shapes); the first native forward of each model is cross-checked against the torch
+forward (`agrees`), and a disagreement turns the native path off for that model with a warning.
 """
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 
 import torch
 
 from .. import native
-
-log = logging.getLogger("castspec")
 
 _LAYER_FIELDS = ("attn_norm", "qkv_w", "qkv_b", "o_w", "o_b", "q_norm", "k_norm", "mlp_norm", "gate_up_w",
                  "gate_up_b", "down_w", "down_b")
