@@ -16,7 +16,7 @@
 void skinny_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, int M, int O, int I, int ldx, int ldy);
 void skinny_f32(const float *W, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
 
-/* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native_step.py's Layer. */
+/* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native_step.py's _Layer. */
 typedef struct {
     const void *attn_norm, *qkv_w, *qkv_b, *o_w, *o_b, *q_norm, *k_norm, *mlp_norm, *gate_up_w, *gate_up_b,
         *down_w, *down_b;
@@ -32,8 +32,8 @@ typedef struct {
 
 /* Activations live in fp32 and are rounded to the model's dtype wherever torch stores a tensor (rnd16, a
  * no-op for fp32); all of it sixteen lanes at a time, `k` masking the lanes of a row's last partial vector.
- * f32 -> bf16 is VCVTNEPS2BF16: round to nearest even, as torch (it flushes denormals, which no weight or
- * activation here is). */
+ * f32 -> bf16 is VCVTNEPS2BF16: round to nearest even, as torch, except that it flushes denormals (below
+ * ~1e-38) to zero. */
 static inline __mmask16 lanes(int64_t n, int64_t i) {
     return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
 }
