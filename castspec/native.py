@@ -25,8 +25,7 @@ import torch
 
 log = logging.getLogger("castspec")
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("skinny.c", "step.c", "draft.c"))
+CSRC = Path(__file__).parent / "csrc"  # every .c there is built into one library, .h files are included
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # Above this many rows oneDNN's blocked GEMM is faster on the machine this was tuned on (the step's products
@@ -47,7 +46,8 @@ def cpu_supported() -> bool:
 def _build(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    subprocess.run([os.environ.get("CC", "cc"), *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True,
+    sources = sorted(map(str, CSRC.glob("*.c")))
+    subprocess.run([os.environ.get("CC", "cc"), *FLAGS, *sources, "-o", str(tmp), "-lm"], check=True,
                    capture_output=True, timeout=120)
     os.replace(tmp, out)  # atomic, so processes building at once never load a half-written library
 

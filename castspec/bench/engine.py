@@ -51,8 +51,8 @@ def gemv_ms(target, repeats: int = 6) -> dict:
     reads (compare with the bandwidth floor). Each matrix is timed inside a sweep over all of them, so its
     weights come from memory as in a real step; the minimum over repeats, since noise only ever adds time.
 
-    On CPU: `native` is castspec's own kernel (castspec/native.py, what the engine runs for single rows where it
-    is available), `onednn` torch's oneDNN kernel on a pre-packed weight, `reduction` an inductor-compiled
+    On CPU: `native` is castspec's own kernel (castspec/native.py, what the engine's native forwards run on),
+    `onednn` torch's oneDNN kernel on a pre-packed weight, `reduction` an inductor-compiled
     multiply-and-sum; elsewhere `torch` is F.linear. `best` takes the fastest kernel for every matrix."""
     import torch.nn.functional as F
 

@@ -43,15 +43,12 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
     }
     const int S16 = (Smax + 15) & ~15;
     const int64_t io = (int64_t)rows * (wide > H ? wide : H);
-    float *buf = malloc(sizeof(float) * ((int64_t)rows * (3 * H + wide + F + nq) + (int64_t)T * nh * S16));
-    char *xs = malloc((size_t)esz * 2 * io);
-    RowAttn *see = malloc(sizeof(RowAttn) * T);
-    if (!buf || !xs || !see) {
-        free(buf);
-        free(xs);
-        free(see);
-        return -1;
-    }
+    RowAttn *see;
+    float *buf;
+    char *xs;
+    char *mem = scratch(T, (int64_t)rows * (3 * H + wide + F + nq) + (int64_t)T * nh * S16, (int64_t)esz * 2 * io,
+                        &see, &buf, &xs);
+    if (!mem) return -1;
     float *x = buf, *ctx = x + rows * H, *n = ctx + rows * H, *proj = n + rows * H, *act = proj + rows * wide,
           *heads_out = act + rows * F, *probs = heads_out + rows * nq;
     void *ys = xs + (size_t)esz * io;
@@ -101,8 +98,6 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
     for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, m->final_norm, H, n + t * H);
     if (m->bf16) to_model(n, out, (int64_t)T * H);
     else memcpy(out, n, sizeof(float) * T * H);
-    free(buf);
-    free(xs);
-    free(see);
+    free(mem);
     return 0;
 }

@@ -245,6 +245,19 @@ typedef struct {
     const uint8_t *visible;
 } RowAttn;
 
+/* A forward's scratch in one allocation: `rows` attention plans, n_f floats (fp32 activations), n_x bytes
+ * (model-dtype copies for the products). Returns the block to free, NULL when out of memory. */
+static char *scratch(int rows, int64_t n_f, int64_t n_x, RowAttn **see, float **f, char **x) {
+    const size_t n_see = sizeof(RowAttn) * rows; /* a multiple of 8: what follows stays aligned */
+    char *mem = malloc(n_see + sizeof(float) * n_f + n_x);
+    if (mem) {
+        *see = (RowAttn *)mem;
+        *f = (float *)(mem + n_see);
+        *x = mem + n_see + sizeof(float) * n_f;
+    }
+    return mem;
+}
+
 /* Attention of M rows' query heads (row r's at q + r * ldq), each over its own RowAttn; then the output
  * projection and the residual into x [M, hidden]. probs is scratch of M * heads * S16 floats (S16: the largest
  * S rounded up to 16), heads_out of M * heads * head_dim. */

@@ -46,15 +46,12 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
         if (segs[g].start + segs[g].rows > Smax) Smax = (int)(segs[g].start + segs[g].rows);
     const int S16 = (Smax + 15) & ~15;
     const int64_t io = (int64_t)M * (wide > H ? wide : H), lo = (int64_t)R * m->vocab;
-    float *buf = malloc(sizeof(float) * ((int64_t)M * (2 * H + wide + H + F + nq) + (int64_t)M * nh * S16));
-    char *xs = malloc((size_t)esz * (2 * io + (lo > io ? lo : io)));
-    RowAttn *see = malloc(sizeof(RowAttn) * M);
-    if (!buf || !xs || !see) {
-        free(buf);
-        free(xs);
-        free(see);
-        return -1;
-    }
+    RowAttn *see;
+    float *buf;
+    char *xs;
+    char *mem = scratch(M, (int64_t)M * (2 * H + wide + H + F + nq) + (int64_t)M * nh * S16,
+                        (int64_t)esz * (2 * io + (lo > io ? lo : io)), &see, &buf, &xs);
+    if (!mem) return -1;
     float *x = buf, *n = x + M * H, *proj = n + M * H, *att = proj + M * wide, *act = att + M * H,
           *heads_out = act + M * F, *probs = heads_out + M * nq;
     void *ys = xs + (size_t)esz * io;
@@ -93,8 +90,6 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     } else {
         skinny_f32(m->head, n, logits, R, m->vocab, H, H, m->vocab);
     }
-    free(buf);
-    free(xs);
-    free(see);
+    free(mem);
     return 0;
 }

@@ -5,8 +5,6 @@ what each row may see, and which rows need logits.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn as nn
 
@@ -15,9 +13,7 @@ from ..config import TargetConfig
 from ..kernels import WeightPack, linear
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 from . import native_step
-from .native_step import NativeStep, agrees, applies
-
-log = logging.getLogger("castspec")
+from .native_step import NativeStep, applies, first_use
 
 
 class DecoderLayer(nn.Module):
@@ -103,6 +99,9 @@ class Decoder(nn.Module):
             out = self._native_forward(ids, positions, segments, logit_rows, taps)
             if out is not None:
                 return out
+        return self._torch_forward(ids, positions, segments, logit_rows, taps)
+
+    def _torch_forward(self, ids, positions, segments: list[Segment], logit_rows, taps: tuple[int, ...]):
         x = self.embed(ids)
         cos, sin = self.rope(positions)
         tapped = []
@@ -121,11 +120,8 @@ class Decoder(nn.Module):
     def _native_forward(self, ids, positions, segments: list[Segment], logit_rows, taps: tuple[int, ...]):
         """The forward through step.c, returned as `forward_segments` does, or None where step.c does not apply
         (the torch forward runs then): at most native_step.max_rows(dtype) rows in all, every segment with a
-        tree mask or the causal triangle on a cache step.c can write.
-
-        The model's first native forward is also run through torch (writing the same cache slots again) and
-        the two compared: a disagreement, which only a platform or shape step.c mishandles can cause, turns the
-        native path off for this model."""
+        tree mask or the causal triangle on a cache step.c can write. The model's first native forward is
+        checked against the torch forward (native_step.first_use); a disagreement turns the native path off."""
         M = ids.numel()
         if not 0 < M <= native_step.max_rows(self.dtype) or ids.shape[0] != 1 or ids.device.type != "cpu":
             return None
@@ -142,13 +138,8 @@ class Decoder(nn.Module):
         logits, features = step(ids.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), segments, rows,
                                 taps)
         out = logits.unsqueeze(0), None if features is None else features.unsqueeze(0)
-        if not step.checked:
+        out, keep = first_use(step, out, lambda: self._torch_forward(ids, positions, segments, logit_rows, taps),
+                              self.dtype, "forward")
+        if not keep:
             self._native_step = None
-            ref = self.forward_segments(ids, positions, segments, logit_rows, taps)
-            if not agrees(out, ref, self.dtype):
-                log.warning("castspec: the native forward disagrees with the torch forward on this model; "
-                            "using torch's")
-                return ref
-            self._native_step = step
-            step.checked = True
         return out

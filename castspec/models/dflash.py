@@ -7,7 +7,6 @@ target's lm_head, are q_1..q_L. The checkpoint has no embedding and no lm_head: 
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +17,7 @@ from ..kernels import WeightPack, linear
 from ..config import DrafterConfig
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 from . import native_step
-from .native_step import NativeDraft, agrees, applies
-
-log = logging.getLogger("castspec")
+from .native_step import NativeDraft, applies, first_use
 
 
 @dataclass
@@ -145,6 +142,9 @@ class DFlashDrafter(nn.Module):
             out = self._native_block(block_emb, block_pos, features, ctx_pos, segments)
             if out is not None:
                 return out
+        return self._torch_forward(block_emb, block_pos, features, ctx_pos, segments)
+
+    def _torch_forward(self, block_emb, block_pos, features, ctx_pos, segments: list[DraftSegment]) -> torch.Tensor:
         ctx = self.fuse_context(features)
         ctx_rope = self.rope(ctx_pos)
         block_rope = self.rope(block_pos)
@@ -158,8 +158,8 @@ class DFlashDrafter(nn.Module):
 
     def _native_block(self, block_emb, block_pos, features, ctx_pos, segments: list[DraftSegment]):
         """The pass through csrc/draft.c when every request has a cache (decoding) and the blocks are few rows
-        in all, or None where it does not apply (the torch forward runs then). Its first use is checked against the torch forward, as the
-        target's native forward is (Decoder._native_forward)."""
+        in all, or None where it does not apply (the torch forward runs then). Its first use is checked against
+        the torch forward (native_step.first_use); a disagreement turns the native pass off."""
         if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
                 or block_emb.shape[1] > native_step.max_rows(self.dtype):
             return None  # several requests' blocks: oneDNN's blocked products win at that many rows
@@ -177,12 +177,8 @@ class DFlashDrafter(nn.Module):
                         segments).unsqueeze(0)
         for seg in segments:
             seg.cache.length = seg.start + seg.ctx_length
-        if not native.checked:
+        (hidden,), keep = first_use(native, (hidden,), lambda: (self._torch_forward(
+            block_emb, block_pos, features, ctx_pos, segments),), self.dtype, "drafter pass")
+        if not keep:
             self._native = None
-            ref = self.forward_segments(block_emb, block_pos, features, ctx_pos, segments)
-            if not agrees((hidden,), (ref,), self.dtype):
-                log.warning("castspec: the native drafter pass disagrees with the torch forward; using torch's")
-                return ref
-            self._native = native
-            native.checked = True
         return hidden

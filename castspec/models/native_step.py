@@ -12,11 +12,14 @@ forward (`agrees`), and a disagreement turns the native path off for that model 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 import torch
 
 from .. import native
+
+log = logging.getLogger("castspec")
 
 _LAYER_FIELDS = ("attn_norm", "qkv_w", "qkv_b", "o_w", "o_b", "q_norm", "k_norm", "mlp_norm", "gate_up_w",
                  "gate_up_b", "down_w", "down_b")
@@ -222,7 +225,22 @@ def applies(cache) -> bool:
 
 def agrees(native_out: tuple, torch_out: tuple, dtype: torch.dtype) -> bool:
     """A native forward's outputs equal the torch forward's up to rounding (relative to the largest value:
-    logits and hidden states have no fixed scale). Used once per model, on its first native forward."""
+    logits and hidden states have no fixed scale)."""
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     return all(torch.allclose(a.float(), b.float(), rtol=0, atol=tol * max(b.abs().max().item(), 1.0))
                for a, b in zip(native_out, torch_out) if b is not None)
+
+
+def first_use(native_code: "NativeStep | NativeDraft", out: tuple, torch_forward, dtype: torch.dtype,
+              what: str) -> tuple[tuple, bool]:
+    """The first native forward of a model is also run through torch (`torch_forward()`, writing the same cache
+    slots again) and the two compared: a disagreement, which only a platform or shape the C code mishandles can
+    cause, is logged. Returns (the outputs to use, whether the native path may stay on)."""
+    if native_code.checked:
+        return out, True
+    ref = torch_forward()
+    if not agrees(out, ref, dtype):
+        log.warning("castspec: the native %s disagrees with the torch forward on this model; using torch's", what)
+        return ref, False
+    native_code.checked = True
+    return out, True
