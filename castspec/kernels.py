@@ -42,16 +42,19 @@ def _compiled_rowdot():
 
 
 @functools.lru_cache(maxsize=None)
-def packing_available() -> bool:
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN packs and multiplies weights of this dtype here (its bf16 path needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; on other x86 CPUs it raises)."""
     if os.environ.get("CASTSPEC_PACK", "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ones(4, 8)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), torch.ops.mkldnn._reorder_linear_weight(w),
-                                                 None, "none", [], "")
-        return bool(torch.equal(out, torch.full((2, 4), 8.0)))
-    except Exception as e:  # noqa: BLE001 - a torch build without these ops
-        log.warning("castspec: packed oneDNN linear unavailable (%s); using F.linear", type(e).__name__)
+        w = torch.ones(4, 8, dtype=dtype)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype),
+                                                 torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+        return bool(torch.equal(out.float(), torch.full((2, 4), 8.0)))
+    except Exception as e:  # noqa: BLE001 - a torch build or CPU without these ops
+        log.warning("castspec: packed oneDNN linear unavailable for %s (%s); using F.linear", dtype,
+                    type(e).__name__)
         return False
 
 
@@ -64,7 +67,7 @@ class WeightPack:
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) \
-                or not packing_available():
+                or not packing_available(weight.dtype):
             return None
         # views share their base's version counter, so an in-place update through any alias moves it
         # (inference tensors have none, and cannot be changed outside inference mode anyway)

@@ -41,7 +41,7 @@ def _median_ms(fn, reps: int, warmup: int, device) -> float:
 def engine_key(engine) -> dict:
     dev = engine.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{torch.get_num_threads()}t"
-    if dev.type == "cpu" and packing_available():
+    if dev.type == "cpu" and packing_available(engine.dtype):
         name += "-packed"  # the packed linears changed every cost: profiles measured without them are stale
     if dev.type == "cpu" and native.library() is not None:
         # so did castspec's own kernels for a few rows, and its native forwards (target and drafter)

@@ -20,7 +20,7 @@ def test_packed_linear_matches_f_linear(dtype, rows):
     assert out.shape == (2, rows, 40) and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
-    assert (pack.get(w) is not None) == packing_available()
+    assert (pack.get(w) is not None) == packing_available(dtype)
 
 
 def test_pack_follows_in_place_updates_through_views():

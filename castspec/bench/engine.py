@@ -69,7 +69,7 @@ def gemv_ms(target, repeats: int = 6) -> dict:
     if target.device.type == "cpu":
         if native.library() is not None:
             kernels["native"] = lambda x, w, p: native.skinny_linear(x, w)
-        if packing_available():
+        if packing_available(target.dtype):
             kernels["onednn"] = lambda x, w, p: packed_linear(x, w, None, p)
         rowdot = _compiled_rowdot()
         if rowdot is not None:
