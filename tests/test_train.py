@@ -8,8 +8,8 @@ from castspec.models.load import load_drafter
 from castspec.train.blocks import (block_inputs, block_mask, chain_acceptance, parse_window_schedule,
                                    window_at)
 from castspec.train.datagen import batched_generate
-from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, drafter_config_for, init_drafter,
-                                    sequence_loss, train)
+from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
+                                    init_drafter, sequence_loss, train)
 from conftest import llama_config, make_hf, native
 
 
@@ -99,8 +99,8 @@ def test_every_drafter_parameter_gets_a_gradient(tiny_data):
     target, records = tiny_data
     cfg = tiny_config()
     drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
-    loss, _ = sequence_loss(target, drafter, records[0], cfg, torch.Generator().manual_seed(0),
-                            decay_weights(cfg.block_size - 1, cfg.gamma))
+    anchors = draw_anchors(records[0], cfg, torch.Generator().manual_seed(0))
+    loss, _ = sequence_loss(target, drafter, records[0], anchors, cfg, decay_weights(cfg.block_size - 1, cfg.gamma))
     loss.backward()
     missing = [n for n, p in drafter.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing, missing

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -11,7 +12,7 @@ def _writable_dir(path: str) -> Path:
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
-        probe = p / ".write-test"
+        probe = p / f".write-test-{os.getpid()}"  # one per process: torchrun's ranks probe the same directory
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -25,6 +26,7 @@ def cmd_make_data(args) -> int:
     from ..engine import DTYPES
     from ..models.load import load_target
 
+    _part(args.part)  # a bad --part should not cost a model load
     args.out_data = _writable_dir(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,27 +122,41 @@ def _tap_list(text: str) -> list[int]:
 
 
 def cmd_train_drafter(args) -> int:
-    import torch
-
     from ..cli import UserError
-    from ..engine import DTYPES
-    from ..models.load import load_target, rope_parameters_of
     from .blocks import parse_window_schedule
-    from .datagen import load_records, shard_files
-    from .trainer import TrainConfig, TrainError, train
+    from .distributed import join, leave
 
     try:
         parse_window_schedule(args.context_window)
     except ValueError as e:
         raise UserError(f"--context-window: {e}") from None
+    if args.generate:
+        _part(args.part)
     out = _writable_dir(args.out)
+    ranks = join()  # under torchrun: this process's rank in the DDP group; else rank 0 of 1
+    try:
+        return _train_drafter(args, out, ranks)
+    finally:
+        leave()
+
+
+def _train_drafter(args, out: Path, ranks) -> int:
+    import torch
+
+    from ..cli import UserError
+    from ..engine import DTYPES
+    from ..models.load import load_target, rope_parameters_of
+    from .datagen import load_records, shard_files
+    from .trainer import TrainConfig, TrainError, train
+
     data = Path(args.data)
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_target(args.target, dtype=DTYPES[args.dtype])
-    if args.generate:
+    if args.generate:  # every rank generates its share of the batches, then all train on the whole dataset
         args.out_data = data
         _make_data(args, loaded)
+        ranks.barrier()
     if not shard_files(data):
         raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` or pass --generate")
     try:
@@ -157,14 +173,15 @@ def cmd_train_drafter(args) -> int:
 
     rope = rope_parameters_of(AutoConfig.from_pretrained(loaded.source))
     on_export = None
-    if args.eval_per_domain > 0 and loaded.tokenizer is not None:
+    if args.eval_per_domain > 0 and loaded.tokenizer is not None and ranks.main:
         on_export = replay_tracker(loaded, data, out, args.eval_per_domain)
     try:
         state = train(loaded.model, records, out, cfg, rope, on_export=on_export, stop_after=args.stop_after)
     except TrainError as e:
         raise UserError(str(e)) from None
-    print(json.dumps({"steps": state.step, "epoch": state.epoch, "loss": state.ema_loss,
-                      "train_tau": state.ema_accept, "drafter": str(out / "drafter")}))
+    if ranks.main:
+        print(json.dumps({"steps": state.step, "epoch": state.epoch, "loss": state.ema_loss,
+                          "train_tau": state.ema_accept, "drafter": str(out / "drafter"), "ranks": ranks.world}))
     return 0
 
 
@@ -212,15 +229,25 @@ def _make_data(args, loaded) -> dict:
     prompts = training_prompts(seed=args.seed)
     if args.max_prompts:
         prompts = prompts[:args.max_prompts]
+    return generate_dataset(loaded.model, loaded.tokenizer, prompts, Path(args.out_data), cfg, stop,
+                            args.limit_tokens, part=_part(args.part))
+
+
+def _part(text: str | None) -> tuple[int, int]:
+    """This worker's share of make-data: --part i/n, or the launcher's rank/world size under torchrun."""
+    from ..cli import UserError
+    from .distributed import launched, launcher_part
+
+    if text is None:
+        return launcher_part()
+    if launched():
+        raise UserError("--part and torchrun both split the work: leave --part out under torchrun")
     try:
-        i, n = (int(x) for x in args.part.split("/"))
+        i, n = (int(x) for x in text.split("/"))
         assert 0 <= i < n
     except (ValueError, AssertionError):
-        from ..cli import UserError
-
-        raise UserError(f"--part must look like 0/2 (this process's index / number of processes), got {args.part!r}")
-    return generate_dataset(loaded.model, loaded.tokenizer, prompts, Path(args.out_data), cfg, stop,
-                            args.limit_tokens, part=(i, n))
+        raise UserError(f"--part must look like 0/2 (this process's index / number of processes), got {text!r}") from None
+    return i, n
 
 
 def _report(report: dict, out: str | None) -> int:
@@ -309,5 +336,5 @@ def _add_datagen_args(p) -> None:
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     p.add_argument("--limit-tokens", type=int, default=None, help="stop once this many response tokens exist")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--part", default="0/1", help="i/n: generate only every n-th batch, starting at i "
-                   "(run n processes on one --out)")
+    p.add_argument("--part", default=None, help="i/n: generate only every n-th batch, starting at i "
+                   "(run n processes on one --out); under torchrun each rank takes its share without it")

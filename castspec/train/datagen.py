@@ -97,7 +97,9 @@ def generate_dataset(target: Decoder, tokenizer, prompts: list[Prompt], out_dir:
     out_dir = Path(out_dir)
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     meta = {"config": asdict(cfg), "num_prompts": len(prompts)}
-    (out_dir / "datagen.json").write_text(json.dumps(meta, indent=2))
+    tmp = out_dir / f"datagen.json.{part[0]}.tmp"  # several workers write the same file: each one whole
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, out_dir / "datagen.json")
     encoded = [encode_chat(tokenizer, p.text) for p in prompts]
     batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts), cfg.batch_size)]
     summary = dataset_summary(out_dir)

@@ -27,6 +27,7 @@ from ..models.dflash import DFlashDrafter
 from ..models.load import save_drafter
 from .blocks import (block_inputs, block_mask, chain_acceptance, decay_weights, parse_window_schedule,
                      sample_anchors, window_at)
+from .distributed import Ranks
 
 log = logging.getLogger("castspec")
 
@@ -159,16 +160,20 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, cfg: TrainConfig,
-                  generator: torch.Generator, weights: torch.Tensor, window: int = 0):
-    """Weighted block cross-entropy of one sequence; also the chain acceptance of each block (for monitoring)."""
+def draw_anchors(record: dict, cfg: TrainConfig, generator: torch.Generator) -> torch.Tensor:
+    """The block roots of one sequence (none when its response is too short to hold a block)."""
+    T = min(len(record["prompt_ids"]) + len(record["response_ids"]), cfg.max_seq_len)
+    return sample_anchors(len(record["prompt_ids"]), T - 2, cfg.anchors_per_seq, generator)
+
+
+def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors: torch.Tensor, cfg: TrainConfig,
+                  weights: torch.Tensor, window: int = 0, model: torch.nn.Module | None = None):
+    """Weighted block cross-entropy of one sequence at `anchors` (from draw_anchors, not empty); also the chain
+    acceptance of each block (for monitoring). `model` runs the forward in place of `drafter` (its DDP wrapper)."""
     prompt, response = record["prompt_ids"], record["response_ids"]
     tokens = torch.tensor((prompt + response)[:cfg.max_seq_len])
     T, P = tokens.numel(), len(prompt)
     loss_mask = torch.arange(T) >= P
-    anchors = sample_anchors(P, T - 2, cfg.anchors_per_seq, generator)
-    if anchors.numel() == 0:
-        return None
     with torch.no_grad():
         feats = target_features(target, tokens, drafter.cfg.target_layer_ids)
     bs = drafter.cfg.block_size
@@ -176,7 +181,7 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, cfg: Tr
     mask = block_mask(anchors, T, bs, window).view(1, 1, -1, T + ids.numel())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
         emb = target.embed(ids.view(1, -1)).float()
-        hidden = drafter(emb, pos.view(1, -1), feats.float(), torch.arange(T).view(1, -1), mask=mask)
+        hidden = (model or drafter)(emb, pos.view(1, -1), feats.float(), torch.arange(T).view(1, -1), mask=mask)
         hidden = hidden.view(anchors.numel(), bs, -1)[:, 1:]
         logits = F.linear(hidden, target.head_weight.to(hidden.dtype)).float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
@@ -212,11 +217,12 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
     return idx
 
 
-def save_checkpoint(path: Path, drafter, opt, state: TrainState, gen: torch.Generator, cfg: TrainConfig) -> None:
+def save_checkpoint(path: Path, drafter, opt, state: TrainState, gen: torch.Generator, cfg: TrainConfig,
+                    world_size: int = 1) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state),
                 "generator": gen.get_state(), "torch_rng": torch.get_rng_state(), "config": asdict(cfg),
-                "drafter_config": drafter.cfg.to_json()}, tmp)
+                "drafter_config": drafter.cfg.to_json(), "world_size": world_size}, tmp)
     os.replace(tmp, path)
 
 
@@ -239,6 +245,10 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
     for r in records[:50]:
         if max(r["prompt_ids"] + r["response_ids"], default=0) >= vocab:
             raise TrainError(f"data token ids exceed the target vocabulary ({vocab}): data made for another target?")
+    ranks = Ranks.current()
+    if cfg.seqs_per_step < ranks.world:
+        raise TrainError(f"{cfg.seqs_per_step} sequences per step cannot be shared by {ranks.world} ranks: "
+                         "give each rank at least one (--seqs-per-step)")
     dcfg = drafter_config_for(target, cfg, rope)
     drafter = init_drafter(target, dcfg, cfg.init_from_target, cfg.seed, cfg.norm_init)
     if cfg.fc_init == "scaled":
@@ -259,63 +269,107 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
         state = TrainState(**saved["state"])
         gen.set_state(saved["generator"])
         torch.set_rng_state(saved["torch_rng"])
+        if saved.get("world_size", 1) != ranks.world:  # the batches do not depend on it, only summation order
+            log.info("resuming a run of %d rank(s) on %d", saved.get("world_size", 1), ranks.world)
     weights = decay_weights(dcfg.block_size - 1, cfg.gamma)
     schedule = parse_window_schedule(cfg.context_windows)
-    order = _order(len(records), cfg.seed, state.epoch)
-    (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    bar = tqdm(total=cfg.steps, initial=state.step, desc="train-drafter", disable=not progress)
+    feed = BatchFeed(records, cfg, state, gen)
+    model = ranks.wrap(drafter)  # under torchrun: DDP, gradients averaged across ranks in backward
+    if ranks.main:
+        (out_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="train-drafter", disable=not (progress and ranks.main))
     drafter.train()
     t0 = time.time()
-    window_loss: list[float] = []
-    window_acc: list[float] = []
+    window_sums = [0.0, 0.0, 0.0]  # loss, chain acceptance, sequences since the last history entry
+    computed = [0.0, 0.0]  # sequences this rank computed, sequences all ranks computed
     while state.step < cfg.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(state.step, cfg)
         opt.zero_grad(set_to_none=True)
-        losses, accs = [], []
-        window = window_at(schedule, state.step)
-        for _ in range(cfg.seqs_per_step):
-            if state.cursor >= len(order):
-                state.epoch += 1
-                state.cursor = 0
-                order = _order(len(records), cfg.seed, state.epoch)
-            rec = records[order[state.cursor]]
-            state.cursor += 1
-            out = sequence_loss(target, drafter, rec, cfg, gen, weights, window)
-            if out is None:
-                continue
-            loss, acc = out
-            (loss / cfg.seqs_per_step).backward()
-            losses.append(loss.item())
-            accs.append(acc)
+        batch = feed.next()
+        mine = accumulate_gradients(target, drafter, model, batch, cfg, weights, window_at(schedule, state.step),
+                                    ranks)
+        sums = ranks.sum(mine)
+        computed = [computed[0] + mine[2], computed[1] + sums[2]]
         torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
         opt.step()
         state.step += 1
-        if losses:
-            l, a = sum(losses) / len(losses), sum(accs) / len(accs)
+        if sums[2]:
+            l, a = sums[0] / sums[2], sums[1] / sums[2]
             state.ema_loss = l if state.ema_loss is None else 0.98 * state.ema_loss + 0.02 * l
             state.ema_accept = a if state.ema_accept is None else 0.98 * state.ema_accept + 0.02 * a
         bar.update(1)
         bar.set_postfix(loss=f"{state.ema_loss:.3f}", tau=f"{state.ema_accept:.2f}", lr=f"{lr_at(state.step, cfg):.1e}")
-        window_loss += losses
-        window_acc += accs
+        window_sums = [w + v for w, v in zip(window_sums, sums)]
         if state.step % 10 == 0:  # raw means over the last 10 steps (the EMA in the bar lags on short runs)
-            state.history.append({"step": state.step, "loss": sum(window_loss) / max(len(window_loss), 1),
-                                  "train_tau": sum(window_acc) / max(len(window_acc), 1),
+            n = max(window_sums[2], 1)
+            state.history.append({"step": state.step, "loss": window_sums[0] / n, "train_tau": window_sums[1] / n,
                                   "elapsed_s": time.time() - t0})
-            window_loss, window_acc = [], []
+            window_sums = [0.0, 0.0, 0.0]
         last = state.step == cfg.steps or (stop_after is not None and state.step >= stop_after)
-        if state.step % cfg.checkpoint_every == 0 or last:
-            save_checkpoint(ckpt, drafter, opt, state, gen, cfg)
-        if state.step % cfg.export_every == 0 or last:
+        if ranks.main and (state.step % cfg.checkpoint_every == 0 or last):
+            save_checkpoint(ckpt, drafter, opt, state, gen, cfg, ranks.world)
+        if ranks.main and (state.step % cfg.export_every == 0 or last):
             export(drafter, out_dir / "drafter")
             if on_export is not None:
                 on_export(state.step, out_dir / "drafter")
         if stop_after is not None and state.step >= stop_after:
             break
     bar.close()
+    log.info("rank %d of %d computed %d of the %d sequences", ranks.rank, ranks.world, *computed)
+    ranks.barrier()  # when train() returns on any rank, rank 0's last checkpoint and export are on disk
     drafter.eval()
     return state
+
+
+class BatchFeed:
+    """The global batches: records in a shuffled order per epoch, `seqs_per_step` at a time, with their anchors.
+
+    Every rank draws the whole global batch (anchors included) from the same generator, so the batches and the
+    generator's state do not depend on the number of ranks; each rank then computes only its share.
+    """
+
+    def __init__(self, records: list[dict], cfg: TrainConfig, state: TrainState, gen: torch.Generator):
+        self.records, self.cfg, self.state, self.gen = records, cfg, state, gen
+        self.order = _order(len(records), cfg.seed, state.epoch)
+
+    def next(self) -> list[tuple[dict, torch.Tensor]]:
+        """(record, anchors) of the sequences of the next global batch that hold a block."""
+        batch = []
+        for _ in range(self.cfg.seqs_per_step):
+            if self.state.cursor >= len(self.order):
+                self.state.epoch += 1
+                self.state.cursor = 0
+                self.order = _order(len(self.records), self.cfg.seed, self.state.epoch)
+            rec = self.records[self.order[self.state.cursor]]
+            self.state.cursor += 1
+            anchors = draw_anchors(rec, self.cfg, self.gen)
+            if anchors.numel():
+                batch.append((rec, anchors))
+        return batch
+
+
+def accumulate_gradients(target: Decoder, drafter: DFlashDrafter, model: torch.nn.Module,
+                         batch: list[tuple[dict, torch.Tensor]], cfg: TrainConfig, weights: torch.Tensor,
+                         window: int, ranks: Ranks) -> list[float]:
+    """Backward of this rank's share of a global batch; returns [loss sum, acceptance sum, sequences] of the share.
+
+    The step's gradient is the sum over the global batch of each sequence's gradient / seqs_per_step. DDP
+    averages over ranks, so each rank scales its sequences by the world size; a rank whose share is empty
+    still joins DDP's all-reduce, with a zero-weighted sequence.
+    """
+    mine = batch[ranks.rank::ranks.world]
+    idle = not mine and bool(batch)
+    if idle:
+        mine = batch[:1]
+    sums = [0.0, 0.0, 0.0]
+    for i, (rec, anchors) in enumerate(mine):
+        with ranks.local_backward(model, last=i == len(mine) - 1):
+            loss, acc = sequence_loss(target, drafter, rec, anchors, cfg, weights, window, model)
+            (loss * 0.0 if idle else loss * ranks.world / cfg.seqs_per_step).backward()
+        if not idle:
+            sums = [sums[0] + loss.item(), sums[1] + acc, sums[2] + 1]
+    return sums
 
 
 def export(drafter: DFlashDrafter, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:

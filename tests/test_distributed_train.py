@@ -1,0 +1,117 @@
+"""Drafter training under torchrun: 2 CPU ranks (gloo on loopback) against one process on the same global batches.
+
+Three torchrun launches in all: make-data workers + DDP training in one (`train-drafter --generate`), then a
+run stopped half-way and resumed.
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from castspec.cli import main
+from conftest import llama_config, make_hf, tiny_tokenizer
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+DATA_ARGS = ["--dtype", "fp32", "--max-prompts", "12", "--batch-size", "2", "--max-new-tokens", "24"]
+TRAIN_ARGS = ["--steps", "6", "--seqs-per-step", "5", "--anchors", "6", "--block-size", "6", "--layers", "2",
+              "--lr", "0.2", "--mask-token-id", "31", "--taps", "0,2", "--checkpoint-every", "2",
+              "--export-every", "6", "--eval-per-domain", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    # gloo's sockets on loopback; the launcher's rendezvous store at 127.0.0.1
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "castspec.cli", "-v"] + args
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def params(run: Path) -> dict:
+    return torch.load(run / "checkpoint.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ddp") / "target"
+    make_hf(llama_config(vocab=32, num_hidden_layers=4), seed=3).save_pretrained(d)
+    tiny_tokenizer(32).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ddp_run(target_dir):
+    """torchrun: both ranks generate their share of the dataset, then train on all of it with DDP."""
+    root = target_dir.parent
+    out = torchrun(["train-drafter", "--generate", "--data", str(root / "data2"), "--out", str(root / "run2"),
+                    "--target", str(target_dir)] + DATA_ARGS + TRAIN_ARGS)
+    return root, out
+
+
+def shards(data: Path) -> dict:
+    return {f.name: torch.load(f, weights_only=True) for f in sorted((data / "shards").glob("*.pt"))}
+
+
+def test_make_data_workers_write_the_single_process_dataset(ddp_run, target_dir):
+    root, _ = ddp_run
+    assert main(["make-data", "--out", str(root / "data1"), "--target", str(target_dir)] + DATA_ARGS) == 0
+    one, two = shards(root / "data1"), shards(root / "data2")
+    assert len(one) == 6 and one == two
+
+
+def test_ddp_equals_one_process_on_the_same_global_batches(ddp_run, target_dir, capsys):
+    root, out = ddp_run
+    # every rank computed its share, and the shares add up to the global batches
+    shares = {int(r): (int(a), int(b)) for r, a, b in
+              re.findall(r"rank (\d) of 2 computed (\d+) of the (\d+) sequences", out.stderr)}
+    assert set(shares) == {0, 1} and all(a > 0 for a, _ in shares.values())
+    assert shares[0][0] + shares[1][0] == shares[0][1] == shares[1][1] > 6
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["ranks"] == 2 and report["steps"] == 6
+    capsys.readouterr()
+    args = ["train-drafter", "--data", str(root / "data1"), "--target", str(target_dir)] + DATA_ARGS + TRAIN_ARGS
+    assert main(args + ["--out", str(root / "run1")]) == 0
+    assert main(args + ["--out", str(root / "step1"), "--stop-after", "1"]) == 0
+    ddp, single, start = params(root / "run2"), params(root / "run1"), params(root / "step1")
+    assert ddp["world_size"] == 2 and single["world_size"] == 1
+    moved = 0.0
+    for k in single["drafter"]:
+        torch.testing.assert_close(ddp["drafter"][k], single["drafter"][k], rtol=1e-4, atol=1e-5)
+        moved = max(moved, (single["drafter"][k] - start["drafter"][k]).abs().max().item())
+    assert moved > 1e-2  # five more steps moved the weights far beyond the tolerance above
+    for key in ("step", "cursor", "epoch"):
+        assert ddp["state"][key] == single["state"][key]
+
+
+def test_ddp_stop_and_resume_equals_uninterrupted(ddp_run, target_dir):
+    root, _ = ddp_run
+    args = ["train-drafter", "--data", str(root / "data2"), "--out", str(root / "split"),
+            "--target", str(target_dir)] + DATA_ARGS + TRAIN_ARGS
+    torchrun(args + ["--stop-after", "3"])
+    assert params(root / "split")["state"]["step"] == 3
+    torchrun(args)
+    full, split = params(root / "run2"), params(root / "split")
+    assert split["state"]["step"] == 6
+    for k in full["drafter"]:
+        torch.testing.assert_close(split["drafter"][k], full["drafter"][k], rtol=0, atol=0)
+
+
+def test_part_and_torchrun_conflict_and_bad_part(tmp_path, capsys, monkeypatch):
+    assert main(["make-data", "--out", str(tmp_path), "--part", "2/2"]) == 2
+    assert "--part must look like" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["make-data", "--out", str(tmp_path), "--part", "0/2"]) == 2
+    assert "leave --part out under torchrun" in capsys.readouterr().err
