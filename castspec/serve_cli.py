@@ -13,13 +13,27 @@ def scheduler_config(args):
         raise UserError(str(e)) from None
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
+def server_config(args):
+    """The request limits and shutdown deadline from the command line (checked before the model loads)."""
+    from .cli import UserError
+    from .server import ServerConfig
 
+    try:
+        return ServerConfig(model_name=args.model_name, default_max_tokens=args.default_max_tokens,
+                            max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                            max_messages=args.max_messages, max_stop_strings=args.max_stop_strings,
+                            max_stop_chars=args.max_stop_chars,
+                            allow_request_chat_template=args.allow_request_chat_template,
+                            shutdown_timeout_s=args.shutdown_timeout)
+    except ValueError as e:
+        raise UserError(f"{e} (see castspec serve --help)") from None
+
+
+def cmd_serve(args) -> int:
     from .allocate import POLICIES
     from .cli import UserError, load_engine
     from .config import METHODS
-    from .server import ServerConfig, create_app
+    from .server import create_app, run_server
 
     if args.method not in METHODS:
         raise UserError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
@@ -28,13 +42,13 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     cfg = scheduler_config(args)
+    server_cfg = server_config(args)
     engine = load_engine(args)
     if args.method != "ar" and engine.drafter is None:
         raise UserError(f"method {args.method!r} needs a drafter: pass --drafter (or --method ar)")
     scheduler = engine.scheduler(cfg, args.method)
-    app = create_app(engine, scheduler, ServerConfig(model_name=args.model_name,
-                                                     default_max_tokens=args.default_max_tokens))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    run_server(create_app(engine, scheduler, server_cfg), args.host, args.port,
+               log_level="info" if args.verbose else "warning")
     return 0
 
 
@@ -50,6 +64,26 @@ def add_scheduler_args(p) -> None:
     p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens prefilled per round")
 
 
+def add_limit_args(p) -> None:
+    from .server import ServerConfig
+
+    d = ServerConfig()
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"larger request bodies get 413 (default {d.max_body_bytes})")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters of prompt text, all messages together, checked before tokenizing (default: "
+                        "32 per token of the model's context)")
+    p.add_argument("--max-messages", type=int, default=d.max_messages, help="messages per chat request")
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
+    p.add_argument("--allow-request-chat-template", action="store_true",
+                   help="render Jinja chat templates sent by clients in chat_template_kwargs.chat_template "
+                        "(refused by default: a template is code, and its rendering time is not bounded)")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   help="seconds requests in flight get after SIGTERM/SIGINT before they are ended with an error "
+                        "(a second signal exits at once)")
+
+
 def register(sub) -> None:
     from .cli import add_model_args
 
@@ -58,6 +92,7 @@ def register(sub) -> None:
                                    "GET /v1/models, /health, /metrics.")
     add_model_args(p)
     add_scheduler_args(p)
+    add_limit_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default="castspec", help="the id reported by /v1/models")

@@ -4,25 +4,43 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streamin
 GET /health, GET /metrics (Prometheus text; ?format=json for JSON). The scheduler runs rounds on its own thread;
 each request gets an asyncio queue that the scheduler feeds through the event loop, so a slow or vanished
 client only ever affects its own request.
+
+A request body becomes (token ids, DecodeConfig) in `Frontend.prepare`, a plain blocking call that any ingress
+can run (here: on a worker thread, so that parsing, tokenizing and template rendering never hold up the event
+loop). Every check that can refuse a request runs there, before admission; `InFlight` ends what is still
+running when a shutdown deadline passes.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import logging
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from .config import ConfigError, DecodeConfig
 from .scheduler import QueueFull, Request as SchedRequest, Scheduler, ShuttingDown
-from .sequence import ContextLengthError
+from .sequence import ContextLengthError, check_request
+from .textstream import TextStream
+
+log = logging.getLogger("castspec.server")
+
+INT64 = 2 ** 63
+
+
+def finite(default: float, **bounds):
+    """A float field that must be a finite number (JSON parsers accept NaN and Infinity)."""
+    return Field(default=default, allow_inf_nan=False, **bounds)
 
 
 class StreamOptions(BaseModel):
@@ -35,19 +53,19 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=0)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float = finite(1.0, ge=0.0, le=2.0)
+    top_p: float = finite(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0)  # extension (vLLM-style); 0 = off
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
     user: str | None = None
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    presence_penalty: float = finite(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = finite(0.0, ge=0.0, le=0.0)
 
 
 class CompletionBody(SamplingFields):
@@ -62,13 +80,36 @@ class Message(BaseModel):
 
 class ChatBody(SamplingFields):
     messages: list[Message] = Field(min_length=1)
-    chat_template_kwargs: dict | None = None  # extension, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict | None = None  # extension: chat template variables, e.g. {"enable_thinking": false}
 
 
 @dataclass
 class ServerConfig:
+    """What one server accepts. Every limit is checked before a request is tokenized or admitted."""
+
     model_name: str = "castspec"
     default_max_tokens: int = 256
+    max_body_bytes: int = 8 * 2 ** 20  # larger bodies get 413 before they are read in full
+    max_prompt_chars: int | None = None  # characters of prompt text (all messages together); None: 32 per token
+    max_messages: int = 1024  # of the model's context
+    max_stop_strings: int = 16
+    max_stop_chars: int = 1024  # per stop string
+    allow_request_chat_template: bool = False  # run Jinja templates sent in chat_template_kwargs.chat_template
+    shutdown_timeout_s: float = 10.0  # in-flight requests get this long after a shutdown signal
+
+    def __post_init__(self):
+        for name in ("default_max_tokens", "max_body_bytes", "max_messages", "max_stop_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        if self.max_stop_strings < 0:
+            raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        if not (math.isfinite(self.shutdown_timeout_s) and self.shutdown_timeout_s >= 0):
+            raise ValueError(f"shutdown_timeout_s must be a finite number >= 0, got {self.shutdown_timeout_s}")
+
+    def prompt_char_limit(self, context_tokens: int) -> int:
+        return self.max_prompt_chars if self.max_prompt_chars is not None else 32 * context_tokens
 
 
 class ApiError(Exception):
@@ -77,38 +118,210 @@ class ApiError(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
+def error_body(status: int, message: str, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return JSONResponse(error_body(status, message, kind), status_code=status)
 
 
-class TextStream:
-    """Incremental detokenization with stop strings: returns only text that can no longer change (an
-    unfinished UTF-8 sequence, or a tail that could be the start of a stop string, waits for more tokens)."""
+def validation_message(errors: list[dict]) -> str:
+    """One line for pydantic's first error: `field.path: what is wrong`."""
+    first = errors[0] if errors else {}
+    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-        self.ids: list[int] = []
-        self.sent = 0
-        self.stopped = False
 
-    def add(self, tokens: list[int], final: bool = False) -> str:
-        self.ids.extend(tokens)
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stops:
-            idx = text.find(s, max(0, self.sent - len(s) + 1))
-            if idx >= 0:
-                text, self.stopped, final = text[:idx], True, True
-        end = len(text)
-        if not final:
-            if text.endswith("\ufffd"):
-                end -= 1
-            hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            end = max(self.sent, min(end, len(text) - hold))
-        delta = text[self.sent:end]
-        self.sent = end
-        return delta
+def text_chars(value, where: str) -> int:
+    """Characters in the string values of a parsed JSON value; text that is not valid Unicode (JSON allows a
+    lone surrogate escape such as "\\ud800"), in a value or a key, is refused with the field's name."""
+    total, stack = 0, [(value, True)]
+    while stack:  # iterative: nesting depth is the client's choice
+        v, counted = stack.pop()
+        if isinstance(v, str):
+            total += len(v) if counted else 0
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ApiError(400, f"{where}: text is not valid Unicode (lone surrogate "
+                                        f"{ascii(v[e.start])} at character {e.start})") from None
+        elif isinstance(v, dict):
+            stack.extend((k, False) for k in v)
+            stack.extend((x, True) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, True) for x in v)
+    return total
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to submit: what `Frontend.prepare` returns."""
+
+    chat: bool
+    ids: list[int]
+    cfg: DecodeConfig
+    text: TextStream  # detokenizer and stop strings for this request's output
+    stream: bool
+    include_usage: bool
+
+
+class Frontend:
+    """Request body -> (token ids, DecodeConfig), with every limit and check of this server. Blocking (JSON
+    parsing, tokenization, chat templates): an ingress runs `prepare` off its event loop."""
+
+    def __init__(self, engine, method: str, config: ServerConfig):
+        self.engine, self.method, self.config = engine, method, config
+        self.context = engine.target.cfg.max_positions
+        self._template_vars: dict[str, frozenset[str]] = {}
+        self.reserved = self._reserved_names()
+
+    def _reserved_names(self) -> frozenset[str]:
+        """Names a request may not set through chat_template_kwargs: apply_chat_template's own options
+        (tokenize, return_tensors, padding, ...), the conversation itself, the special tokens and the helpers
+        transformers hands to every template."""
+        names = {"conversation", "messages", "raise_exception", "strftime_now"}
+        tok = self.engine.tokenizer
+        if tok is not None:
+            names |= {p.name for p in inspect.signature(tok.apply_chat_template).parameters.values()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            names |= set(getattr(tok, "special_tokens_map", {}))
+        names.discard("chat_template")  # refused separately, with its own message
+        return frozenset(names)
+
+    # -- the whole step --------------------------------------------------------------------------------------
+    def prepare(self, raw: bytes | str | dict, chat: bool) -> Prepared:
+        body = self.parse(raw, chat)
+        ids = self.tokenize(body)
+        cfg = self.decode_config(body, ids)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return Prepared(chat, ids, cfg, TextStream(self.engine.tokenizer, stops), body.stream, include_usage)
+
+    def parse(self, raw: bytes | str | dict, chat: bool) -> CompletionBody | ChatBody:
+        """JSON -> the endpoint's body model, with the limits that need no tokenizer (400/404 otherwise)."""
+        data = raw
+        if isinstance(raw, (bytes, bytearray, str)):
+            try:
+                data = json.loads(raw)
+            except UnicodeDecodeError:
+                raise ApiError(400, "the request body is not valid UTF-8") from None
+            except json.JSONDecodeError as e:
+                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ApiError(400, "the request body is nested too deeply") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        chars = {key: text_chars(value, key) for key, value in data.items()}
+        text_chars(list(data), "the request body's field names")
+        try:
+            body = (ChatBody if chat else CompletionBody).model_validate(data)
+        except ValidationError as e:
+            raise ApiError(400, validation_message(e.errors())) from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
+        if body.model not in (None, self.config.model_name):
+            raise ApiError(404, f"model {body.model!r} not found; this server serves {self.config.model_name!r}",
+                           "not_found_error")
+        self.check_limits(body, chars.get("messages" if chat else "prompt", 0))
+        return body
+
+    def check_limits(self, body, prompt_chars: int) -> None:
+        cfg = self.config
+        if isinstance(body, ChatBody) and len(body.messages) > cfg.max_messages:
+            raise ApiError(400, f"{len(body.messages)} messages; this server takes at most {cfg.max_messages} "
+                                "(--max-messages)")
+        limit = cfg.prompt_char_limit(self.context)
+        if isinstance(body, ChatBody) or isinstance(body.prompt, str):
+            if prompt_chars > limit:
+                raise ApiError(400, f"the prompt is {prompt_chars} characters; this server takes at most {limit} "
+                                    "(--max-prompt-chars)")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > cfg.max_stop_strings:
+            raise ApiError(400, f"stop: {len(stops)} stop strings; this server takes at most "
+                                f"{cfg.max_stop_strings} (--max-stop-strings)")
+        longest = max(map(len, stops), default=0)
+        if longest > cfg.max_stop_chars:
+            raise ApiError(400, f"stop: a stop string of {longest} characters; this server takes at most "
+                                f"{cfg.max_stop_chars} per string (--max-stop-chars)")
+
+    # -- tokens ----------------------------------------------------------------------------------------------
+    def template_kwargs(self, kwargs: dict | None) -> dict | None:
+        """chat_template_kwargs as passed to the template: the operator's flag gates a request's own template;
+        tokenizer and rendering options are refused; variables the template does not read are dropped."""
+        if not kwargs:
+            return None
+        own = kwargs.get("chat_template")
+        if own is not None and not self.config.allow_request_chat_template:
+            raise ApiError(400, "chat_template_kwargs.chat_template: this server does not run chat templates sent "
+                                "by clients (the operator can allow them with --allow-request-chat-template)")
+        if own is not None and not isinstance(own, str):
+            raise ApiError(400, "chat_template_kwargs.chat_template must be a string")
+        refused = sorted(k for k in kwargs if k in self.reserved)
+        if refused:
+            raise ApiError(400, f"chat_template_kwargs.{refused[0]}: not a chat template variable (tokenizer and "
+                                "rendering options cannot be set by a request)")
+        used = self.template_variables(own)
+        keep = {k: v for k, v in kwargs.items() if k in used}
+        if own is not None:
+            keep["chat_template"] = own
+        return keep
+
+    def template_variables(self, template: str | None) -> frozenset[str]:
+        """The variables a chat template reads (the tokenizer's own when `template` is None)."""
+        key = template if template is not None else ""
+        if key not in self._template_vars:
+            import jinja2
+            from jinja2 import meta
+
+            tok = self.engine.tokenizer
+            sources = [template] if template is not None else (
+                list(tok.chat_template.values()) if isinstance(getattr(tok, "chat_template", None), dict)
+                else [getattr(tok, "chat_template", None) or ""])
+            env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+            names: set[str] = set()
+            for src in sources:
+                try:
+                    names |= meta.find_undeclared_variables(env.parse(src))
+                except jinja2.TemplateSyntaxError as e:
+                    raise ApiError(400, f"the chat template does not parse: {e}") from None
+            found = frozenset(names - set(env.globals))
+            if template is not None:
+                return found  # a request's own template is not cached: each one is different
+            self._template_vars[key] = found
+        return self._template_vars[key]
+
+    def tokenize(self, body) -> list[int]:
+        try:
+            if isinstance(body, ChatBody):
+                ids = self.engine.encode(messages=[m.model_dump() for m in body.messages],
+                                         chat_template_kwargs=self.template_kwargs(body.chat_template_kwargs))
+            elif isinstance(body.prompt, list):
+                ids = self.engine.encode(input_ids=body.prompt)
+            else:
+                ids = self.engine.encode(prompt=body.prompt)
+        except ApiError:
+            raise
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - e.g. a chat template that raises on odd messages
+            raise ApiError(400, f"could not tokenize the request: {type(e).__name__}: {e}") from None
+        if not all(type(t) is int for t in ids):  # a template or tokenizer option that returned something else
+            raise ApiError(400, "the chat template did not produce a list of token ids")
+        return ids
+
+    def decode_config(self, body, ids: list[int]) -> DecodeConfig:
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_new = self.config.default_max_tokens if limit is None else limit
+        try:
+            check_request(ids, max_new, self.context, "max_tokens")
+            return DecodeConfig(method=self.method, max_new_tokens=max_new, temperature=body.temperature,
+                                top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                                stop_token_ids=self.engine.stop_ids())
+        except (ConfigError, ContextLengthError, ValueError) as e:
+            raise ApiError(400, str(e)) from None
 
 
 class Handle:
@@ -125,26 +338,81 @@ class Handle:
     def on_done(self, reason: str, error: str | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ("done", (reason, error)))
 
+    def end(self, message: str) -> None:
+        """End the request now (on the event loop): its handler answers 503 or an SSE error event."""
+        if self.request is not None:
+            self.request.cancel()
+        self.queue.put_nowait(("done", ("shutdown", message)))
+
+
+class InFlight:
+    """The requests this server is answering, and the shutdown drain: once `drain` is called new requests
+    get 503 at once, and when the deadline passes every request still running is ended with a clean error."""
+
+    def __init__(self):
+        self.handles: set[Handle] = set()
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", "unavailable_error")
+
+    def drain(self, timeout_s: float) -> None:
+        """Begin shutting down; safe from any thread and from a signal handler."""
+        self.draining = True
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._arm, timeout_s)
+
+    def _arm(self, timeout_s: float) -> None:
+        if self._timer is not None:  # a second call only ever brings the deadline forward
+            if self._timer.when() <= self.loop.time() + timeout_s:
+                return
+            self._timer.cancel()
+        self._timer = self.loop.call_later(timeout_s, self.expire)
+
+    def expire(self) -> None:
+        for h in list(self.handles):
+            h.end("the server shut down before this request finished (shutdown deadline reached)")
+        self.handles.clear()
+
+
+async def read_body(http: Request, limit: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed `limit` bytes."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body ({int(declared)} bytes) exceeds this server's limit of {limit} bytes "
+                            "(--max-body-bytes)", "request_too_large")
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body exceeds this server's limit of {limit} bytes (--max-body-bytes)",
+                           "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
 
 def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     created = int(time.time())
+    frontend = Frontend(engine, scheduler.method, config)
+    inflight = InFlight()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        inflight.loop = asyncio.get_running_loop()
         stop = scheduler.start()
         try:
             yield
         finally:
+            inflight.expire()
             scheduler.close(stop)
 
     app = FastAPI(title="castspec", lifespan=lifespan)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return error_response(400, f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}")
+    app.state.inflight = inflight
+    app.state.config = config
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -152,7 +420,8 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "active": scheduler.active, "queued": scheduler.queue_length}
+        return {"status": "draining" if inflight.draining else "ok", "active": scheduler.active,
+                "queued": scheduler.queue_length}
 
     @app.get("/v1/models")
     async def models():
@@ -162,58 +431,49 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
     @app.get("/metrics")
     async def metrics(format: str = "prometheus"):
         snap = scheduler.metrics.snapshot()
-        snap.update(active=scheduler.active, queued=scheduler.queue_length)
+        snap.update(active=scheduler.active, queued=scheduler.queue_length, rss_bytes=resident_bytes())
         if format == "json":
             return snap
         return PlainTextResponse(prometheus(snap))
 
-    def submit(ids: list[int], body: SamplingFields, handle: Handle) -> SchedRequest:
-        if body.model not in (None, config.model_name):
-            raise ApiError(404, f"model {body.model!r} not found; this server serves {config.model_name!r}",
-                           "not_found_error")
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    def submit(job: Prepared, handle: Handle) -> SchedRequest:
+        inflight.check_open()
         try:
-            cfg = DecodeConfig(method=scheduler.method, max_new_tokens=config.default_max_tokens if limit is None
-                               else limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                               seed=body.seed, stop_token_ids=engine.stop_ids())
-            return scheduler.submit(SchedRequest(ids, cfg, handle.on_tokens, handle.on_done))
+            handle.request = scheduler.submit(SchedRequest(job.ids, job.cfg, handle.on_tokens, handle.on_done))
         except (ConfigError, ContextLengthError, ValueError) as e:
             raise ApiError(400, str(e)) from None
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error") from None
         except ShuttingDown as e:
             raise ApiError(503, str(e), "unavailable_error") from None
+        inflight.handles.add(handle)
+        return handle.request
 
-    def encode(**kw) -> list[int]:
-        try:
-            return engine.encode(**kw)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        except Exception as e:  # noqa: BLE001 - e.g. a chat template error on odd messages
-            raise ApiError(400, f"could not tokenize the request: {e}") from None
-
-    async def run(http: Request, body: SamplingFields, ids: list[int], chat: bool):
-        loop = asyncio.get_running_loop()
-        handle = Handle(loop)
-        req = submit(ids, body, handle)
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        text = TextStream(engine.tokenizer, stops)
+    async def serve(http: Request, chat: bool):
+        inflight.check_open()
+        raw = await read_body(http, config.max_body_bytes)
+        job = await asyncio.to_thread(frontend.prepare, raw, chat)
+        handle = Handle(asyncio.get_running_loop())
+        req = submit(job, handle)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         meta = {"id": rid, "created": int(time.time()), "model": config.model_name}
-        if body.stream:
-            return StreamingResponse(stream_events(handle, req, text, meta, chat, body, len(ids)),
-                                     media_type="text/event-stream")
+        if job.stream:
+            return StreamingResponse(stream_events(handle, req, job, meta, inflight), media_type="text/event-stream")
         watcher = asyncio.create_task(cancel_on_disconnect(http, req))
         try:
             pieces, reason = [], None
-            async for piece, reason in events(handle, req, text):
+            async for piece, reason in events(handle, req, job.text):
                 pieces.append(piece)
         finally:
             watcher.cancel()
+            inflight.handles.discard(handle)
+        if reason == "shutdown":
+            raise ApiError(503, pieces[-1], "unavailable_error")
         if reason == "error":
             raise ApiError(500, f"generation failed: {pieces[-1] if pieces else ''}", "server_error")
-        content = "".join(p for p in pieces)
-        usage = {"prompt_tokens": len(ids), "completion_tokens": req.tokens, "total_tokens": len(ids) + req.tokens}
+        content = "".join(pieces)
+        n = len(job.ids)
+        usage = {"prompt_tokens": n, "completion_tokens": req.tokens, "total_tokens": n + req.tokens}
         choice = {"index": 0, "finish_reason": reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
@@ -224,21 +484,19 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
                                              "mean_committed_per_round": req.tokens / max(req.rounds, 1)}}
 
     @app.post("/v1/completions")
-    async def completions(http: Request, body: CompletionBody):
-        ids = encode(input_ids=body.prompt) if isinstance(body.prompt, list) else encode(prompt=body.prompt)
-        return await run(http, body, ids, chat=False)
+    async def completions(http: Request):
+        return await serve(http, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(http: Request, body: ChatBody):
-        messages = [m.model_dump() for m in body.messages]
-        ids = encode(messages=messages, chat_template_kwargs=body.chat_template_kwargs)
-        return await run(http, body, ids, chat=True)
+    async def chat_completions(http: Request):
+        return await serve(http, chat=True)
 
     return app
 
 
 async def events(handle: Handle, req: SchedRequest, text: TextStream):
-    """Yield (text delta, None) while tokens arrive, then ("", finish reason); errors yield (message, "error")."""
+    """Yield (text delta, None) while tokens arrive, then ("", finish reason); errors yield (message, "error"),
+    a shutdown (message, "shutdown")."""
     while True:
         kind, payload = await handle.queue.get()
         if kind == "tokens":
@@ -252,8 +510,8 @@ async def events(handle: Handle, req: SchedRequest, text: TextStream):
                 yield delta, None
         else:
             reason, error = payload
-            if reason == "error":
-                yield error or "", "error"
+            if reason in ("error", "shutdown"):
+                yield error or "", reason
                 return
             yield text.add([], final=True), None
             yield "", reason
@@ -268,8 +526,8 @@ async def cancel_on_disconnect(http: Request, req: SchedRequest) -> None:
         await asyncio.sleep(0.1)
 
 
-async def stream_events(handle: Handle, req: SchedRequest, text: TextStream, meta: dict, chat: bool,
-                        body: SamplingFields, prompt_tokens: int):
+async def stream_events(handle: Handle, req: SchedRequest, job: Prepared, meta: dict, inflight: InFlight):
+    chat = job.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
@@ -283,32 +541,69 @@ async def stream_events(handle: Handle, req: SchedRequest, text: TextStream, met
     try:
         if chat:
             yield chunk(None, None, role=True)
-        async for delta, reason in events(handle, req, text):
-            if reason == "error":
-                yield "data: " + json.dumps({"error": {"message": f"generation failed: {delta}",
-                                                       "type": "server_error", "code": 500}}) + "\n\n"
+        async for delta, reason in events(handle, req, job.text):
+            if reason in ("error", "shutdown"):
+                err = (error_body(503, delta, "unavailable_error") if reason == "shutdown" else
+                       error_body(500, f"generation failed: {delta}", "server_error"))
+                yield "data: " + json.dumps(err) + "\n\n"
                 break
             if reason is not None:
                 yield chunk(None if chat else "", reason)
             elif delta:
                 yield chunk(delta, None)
-        if body.stream_options is not None and body.stream_options.include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": req.tokens,
-                     "total_tokens": prompt_tokens + req.tokens}
+        if job.include_usage:
+            n = len(job.ids)
+            usage = {"prompt_tokens": n, "completion_tokens": req.tokens, "total_tokens": n + req.tokens}
             yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or we are done): free the request's slot at the next round
+        inflight.handles.discard(handle)
         req.cancel()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn with a shutdown deadline. The first SIGINT/SIGTERM stops new requests at once (503 while the
+    listening socket closes) and gives the ones in flight `config.shutdown_timeout_s` before they are ended with
+    a clean error; a second signal ends them and exits at once."""
+
+    def __init__(self, config: uvicorn.Config, inflight: InFlight, timeout_s: float):
+        super().__init__(config)
+        self.inflight, self.timeout_s = inflight, timeout_s
+
+    def handle_exit(self, sig, frame) -> None:
+        again = self.should_exit
+        super().handle_exit(sig, frame)
+        if again:
+            self.force_exit = True
+            self.inflight.drain(0.0)
+        else:
+            log.warning("castspec: shutting down; requests in flight have %.1f s to finish", self.timeout_s)
+            self.inflight.drain(self.timeout_s)
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+    """Serve `app` (from create_app) with uvicorn until a signal, then shut down within the app's deadline."""
+    timeout = app.state.config.shutdown_timeout_s
+    # uvicorn's own limit is the backstop for connections the drain cannot end (a client that stopped reading)
+    cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                         timeout_graceful_shutdown=math.ceil(timeout) + 2)
+    GracefulServer(cfg, app.state.inflight, timeout).run()
+
+
+def resident_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
 
 
 def prometheus(snap: dict) -> str:
     """Prometheus text exposition of a metrics snapshot."""
     lines = []
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
-        lines.append(f"# HELP castspec_{name} {help_}")
-        lines.append(f"# TYPE castspec_{name} {kind}")
-        lines.extend(f"castspec_{name}{labels} {value}" for labels, value in samples)
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]], prefix: str = "castspec_"):
+        lines.append(f"# HELP {prefix}{name} {help_}")
+        lines.append(f"# TYPE {prefix}{name} {kind}")
+        lines.extend(f"{prefix}{name}{labels} {value}" for labels, value in samples)
 
     metric("requests_total", "counter", "Finished requests by reason.",
            [(f'{{reason="{k}"}}', v) for k, v in snap["requests"].items()])
@@ -332,4 +627,6 @@ def prometheus(snap: dict) -> str:
             total += k * hist[k]
         samples += [('_bucket{le="+Inf"}', acc), ("_sum", total), ("_count", acc)]
         metric(name, "histogram", help_, samples)
+    metric("process_resident_memory_bytes", "gauge", "Resident memory of the server process.",
+           [("", snap["rss_bytes"])], prefix="")
     return "\n".join(lines) + "\n"
