@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from . import analysis_cli, demo, loadtest, probe_cli, serve_cli
+    from . import analysis_cli, demo, loadtest, probe_cli, ray_cli, serve_cli
     from .bench import cli as bench_cli
     from .train import cli as train_cli
 
@@ -13,4 +13,5 @@ def register(sub) -> None:
     analysis_cli.register(sub)
     train_cli.register(sub)
     serve_cli.register(sub)
+    ray_cli.register(sub)
     loadtest.register(sub)

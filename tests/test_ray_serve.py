@@ -1,0 +1,277 @@
+"""`castspec serve-ray`: a local Ray cluster (started by the command, 2 CPUs, small object store, no dashboard)
+with 2 engine replicas of a tiny random target + drafter, against single-process `castspec serve` on the same
+models: answers, errors, both replicas used, metrics over replicas, a replica killed under load."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="the Ray tests need castspec[ray] (make test installs it)")
+
+from castspec import load  # noqa: E402
+from castspec.loadtest import LiveServer  # noqa: E402
+from castspec.ray_serve import commits, merge_snapshots  # noqa: E402
+from castspec.scheduler import SchedulerConfig  # noqa: E402
+from castspec.server import ServerConfig, create_app  # noqa: E402
+from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer  # noqa: E402
+
+SERVE_ARGS = ["--dtype", "fp32", "--policy", "shared", "--width", "16", "--max-batch", "4"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from castspec.models.load import save_drafter
+
+    root = tmp_path_factory.mktemp("ray")
+    hf = make_hf(llama_config(vocab=24, max_position_embeddings=256), seed=1)
+    hf.save_pretrained(root / "target")
+    tiny_tokenizer(24).save_pretrained(root / "target")
+    save_drafter(random_drafter(native(hf), block_size=8, seed=2), root / "drafter")
+    return root / "target", root / "drafter"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, path: str, **kw) -> httpx.Response:
+    return httpx.get(url + path, timeout=30, **kw)
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def live_replicas(url: str) -> dict:
+    h = get(url, "/health").json()
+    return h["per_replica"] if h["replicas"].get("RUNNING") == 2 and len(h["per_replica"]) == 2 else {}
+
+
+@pytest.fixture(scope="module")
+def ray_app(models):
+    """`castspec serve-ray` in its own session (so that teardown can always stop what it started)."""
+    target, drafter = models
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "castspec"), "serve-ray", "--target", str(target), "--drafter",
+           str(drafter), "--replicas", "2", "--local-cpus", "2", "--object-store-mb", "80", "--port", str(port)]
+    log = open(target.parent / "serve-ray.log", "w")
+    proc = subprocess.Popen(cmd + SERVE_ARGS, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()  # the command prints its URL once the application is up
+        assert line, f"serve-ray exited: {(target.parent / 'serve-ray.log').read_text()[-3000:]}"
+        url = json.loads(line)["url"]
+        assert url == f"http://127.0.0.1:{port}"
+        wait_for(lambda: live_replicas(url), 120, "2 replicas reporting")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)  # the command deletes the app and stops the cluster it started
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def single(models):
+    """Single-process `castspec serve` (the same app and scheduler options) on the same models."""
+    target, drafter = models
+    engine = load(target=str(target), drafter=str(drafter), dtype="fp32")
+    app = create_app(engine, engine.scheduler(SchedulerConfig(max_batch=4, policy="shared", width=16), "cast"),
+                     ServerConfig())
+    with LiveServer(app) as url:
+        yield url
+
+
+def bodies(n: int, max_tokens: int = 24) -> list[tuple[str, dict]]:
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append(("/v1/completions", {"prompt": [3 + i % 17, 4, 5 + i % 7], "max_tokens": max_tokens,
+                                            "temperature": 0}))
+        else:
+            out.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": f"w{i % 19} w3 w{i % 5}"}],
+                                                 "max_tokens": max_tokens, "temperature": 0}))
+    return out
+
+
+def answer(body: dict) -> str:
+    c = body["choices"][0]
+    return c["message"]["content"] if "message" in c else c["text"]
+
+
+async def post_all(url: str, requests: list[tuple[str, dict]]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        return await asyncio.gather(*(client.post(path, json=body) for path, body in requests))
+
+
+async def stream_one(client: httpx.AsyncClient, path: str, body: dict) -> dict:
+    """A streamed request: its text, whether it got an error event (and after how many tokens), its headers."""
+    text, tokens, error, done = "", 0, None, False
+    async with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = (event["error"]["message"], tokens)
+                continue
+            for c in event["choices"]:
+                piece = c.get("text") or (c.get("delta") or {}).get("content") or ""
+                tokens += bool(piece)
+                text += piece
+    return {"text": text, "error": error, "done": done, "replica": r.headers.get("x-castspec-replica")}
+
+
+def test_32_concurrent_requests_equal_single_process_serve_on_both_replicas(ray_app, single):
+    reqs = bodies(32)
+    ray_answers = asyncio.run(post_all(ray_app, reqs))
+    single_answers = asyncio.run(post_all(single, reqs))
+    assert all(r.status_code == 200 for r in ray_answers + single_answers)
+    assert [answer(r.json()) for r in ray_answers] == [answer(r.json()) for r in single_answers]
+    replicas = {r.headers["x-castspec-replica"] for r in ray_answers}
+    assert len(replicas) == 2 and replicas == set(get(ray_app, "/health").json()["per_replica"])
+    assert all(r.json()["castspec"]["replica"] == r.headers["x-castspec-replica"] for r in ray_answers)
+
+    async def streams():
+        async with httpx.AsyncClient(base_url=ray_app, timeout=120) as client:
+            return await asyncio.gather(*(stream_one(client, p, b) for p, b in reqs[:6]))
+
+    for s, full in zip(asyncio.run(streams()), ray_answers[:6]):
+        assert s["done"] and s["error"] is None and s["text"] == answer(full.json())
+
+
+def test_metrics_and_health_cover_both_replicas(ray_app):
+    def snapshot():
+        return get(ray_app, "/metrics", params={"format": "json"}).json()
+
+    def settled():  # no report still on its way from earlier requests (replicas report every 0.5 s)
+        first = snapshot()["tokens"]
+        time.sleep(1.5)
+        return (s := snapshot())["tokens"] == first and s
+
+    before = wait_for(settled, 30, "the metrics to settle")
+    answers = asyncio.run(post_all(ray_app, bodies(8, max_tokens=10)))
+    produced = sum(r.json()["usage"]["completion_tokens"] for r in answers)
+    # wait until the new tokens show up, and check that nothing else does
+    after = wait_for(lambda: (s := snapshot())["tokens"] >= before["tokens"] + produced and s, 10, "the new tokens")
+    assert after["tokens"] == before["tokens"] + produced
+    assert len(after["replicas"]) == 2 and sum(s["tokens"] for s in after["replicas"].values()) == after["tokens"]
+    text = get(ray_app, "/metrics").text
+    assert 'castspec_replicas{state="running"} 2' in text and "castspec_generated_tokens_total" in text
+    health = get(ray_app, "/health").json()
+    assert health["status"] == "ok" and health["replicas"] == {"RUNNING": 2}
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("POST", "/v1/completions", "{not json"),
+    ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": -1}),
+    ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 10 ** 6}),
+    ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 4, "bogus": 1}),
+    ("POST", "/v1/completions", {"prompt": [1, 99]}),
+    ("POST", "/v1/completions", {"prompt": []}),
+    ("POST", "/v1/completions", {"prompt": [1, 2], "model": "gpt-9"}),
+    ("POST", "/v1/chat/completions", {"messages": []}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}], "stream": True}),
+    ("GET", "/v1/completions", None),
+    ("GET", "/v2/nothing", None),
+])
+def test_bad_requests_get_the_same_answer_as_single_process_serve(ray_app, single, method, path, body):
+    def send(url):
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else \
+            {"json": body} if body is not None else {}
+        return httpx.request(method, url + path, timeout=30, **kw)
+
+    ours, theirs = send(ray_app), send(single)
+    assert 400 <= theirs.status_code < 500
+    assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json())
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_streamed(ray_app, single):
+    reqs = bodies(24, max_tokens=150)
+    truth = [answer(r.json()) for r in asyncio.run(post_all(single, reqs))]
+    before = live_replicas(ray_app)
+    victim = sorted(before)[0]
+
+    async def load_and_kill():
+        async with httpx.AsyncClient(base_url=ray_app, timeout=120) as client:
+            tasks = [asyncio.create_task(stream_one(client, p, b) if i % 2 else client.post(p, json=b))
+                     for i, (p, b) in enumerate(reqs)]
+
+            def busy():
+                return get(ray_app, "/health").json()["per_replica"].get(victim, {}).get("active", 0) > 0
+
+            await asyncio.to_thread(wait_for, busy, 30, "the victim replica to be decoding")
+            os.kill(before[victim]["pid"], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(load_and_kill())
+    retried = broken = 0
+    for i, (res, want) in enumerate(zip(results, truth)):
+        if i % 2:  # streamed: complete and right, or an error event after at least one token, then [DONE]
+            assert res["done"], res
+            if res["error"] is None:
+                assert res["text"] == want
+            else:
+                broken += 1
+                assert res["error"][1] > 0 and "replica" in res["error"][0] and want.startswith(res["text"])
+        else:  # never streamed: always answered, and right
+            assert res.status_code == 200, res.text
+            assert answer(res.json()) == want
+            retried += int(res.headers["x-castspec-attempts"]) > 1
+    assert retried + broken > 0  # the kill hit requests in flight
+    # Serve replaces the dead replica
+    after = wait_for(lambda: live_replicas(ray_app) if victim not in live_replicas(ray_app) else {}, 120,
+                     "a new replica in place of the killed one")
+    assert len(after) == 2 and before[victim]["pid"] not in {r["pid"] for r in after.values()}
+    again = asyncio.run(post_all(ray_app, reqs[:4]))
+    assert [answer(r.json()) for r in again] == truth[:4]
+
+
+def test_sse_commit_points_and_merged_metrics():
+    assert not commits('data: {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}')
+    assert commits('data: {"choices": [{"delta": {"content": "w2"}, "finish_reason": null}]}')
+    assert commits('data: {"choices": [{"text": "", "finish_reason": "length"}]}')
+    assert commits('data: {"error": {"message": "x"}}') and not commits("data: [DONE]")
+    a = {"tokens": 10, "goodput_tokens": 8, "uptime_s": 4.0, "requests": {"stop": 1}, "active": 2, "queued": 1,
+         "acceptance_histogram": {"0": 2, "3": 1}, "batch_size_histogram": {"1": 3}, "rss_bytes": 5}
+    b = {"tokens": 5, "goodput_tokens": 4, "uptime_s": 2.0, "requests": {"stop": 2, "length": 1}, "active": 1,
+         "queued": 0, "acceptance_histogram": {"3": 1}, "batch_size_histogram": {"2": 1}, "rss_bytes": 7}
+    m = merge_snapshots([a, b], [b])  # a's replica died: its counts stay, its gauges go
+    assert m["tokens"] == 15 and m["requests"] == {"stop": 3, "length": 1}
+    assert m["acceptance_histogram"] == {0: 2, 3: 2} and m["mean_committed_per_round"] == (2 * 1 + 2 * 4) / 4
+    assert (m["active"], m["queued"], m["rss_bytes"]) == (1, 0, 7)
+    assert m["goodput_tokens_per_s"] == 12 / 4.0
+
+
+def test_serve_ray_bad_options_exit_2_before_starting_ray(capsys):
+    from castspec.cli import main
+
+    for args, needle in [(["--replicas", "0"], "replicas"), (["--min-replicas", "1"], "--max-replicas"),
+                         (["--min-replicas", "3", "--max-replicas", "2"], "min-replicas"),
+                         (["--method", "beam"], "unknown method"), (["--port", "0"], "--port")]:
+        assert main(["serve-ray"] + args) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1
