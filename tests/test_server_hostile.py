@@ -274,3 +274,13 @@ def test_incremental_detokenization_equals_decoding_everything(engine):
             i += k
         out += d.add([], final=True)
         assert out == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_server_config_refuses_nonsense_limits():
+    for bad, needle in (({"max_body_bytes": 0}, "max_body_bytes"), ({"max_prompt_chars": 0}, "max_prompt_chars"),
+                        ({"max_stop_strings": -1}, "max_stop_strings"),
+                        ({"shutdown_timeout_s": float("nan")}, "shutdown_timeout_s")):
+        with pytest.raises(ValueError, match=needle):
+            ServerConfig(**bad)
+    assert ServerConfig().prompt_char_limit(8192) == 32 * 8192
+    assert ServerConfig(max_prompt_chars=10).prompt_char_limit(8192) == 10
