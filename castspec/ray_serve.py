@@ -31,7 +31,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from .scheduler import SchedulerConfig
-from .server import ServerConfig, error_response, prometheus
+from .server import ApiError, ServerConfig, error_response, prometheus, read_body
 
 log = logging.getLogger("castspec.ray")
 
@@ -226,8 +226,9 @@ api = FastAPI(title="castspec on Ray Serve")
 class Ingress:
     """The HTTP entry: the routes of `castspec serve`, relayed to engine replicas with retries."""
 
-    def __init__(self, engine, board, scale: ScaleConfig, engine_name: str):
+    def __init__(self, engine, board, scale: ScaleConfig, engine_name: str, max_body_bytes: int):
         self.engine, self.board, self.scale, self.engine_name = engine, board, scale, engine_name
+        self.max_body_bytes = max_body_bytes  # the replicas' limit, applied before the body crosses the cluster
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -277,7 +278,10 @@ class Ingress:
         return {str(getattr(k, "value", k)): v for k, v in (dep.replica_states if dep is not None else {}).items()}
 
     async def relay(self, request: Request) -> Response:
-        body = await request.body()
+        try:
+            body = await read_body(request, self.max_body_bytes)
+        except ApiError as e:
+            return error_response(e.status, e.message, e.kind)
         args = (request.method, request.url.path, request.url.query, body, request.headers.get("content-type"))
         last = "no replica answered"
         for attempt in range(1, self.scale.attempts + 1):
@@ -341,7 +345,7 @@ def build_app(options: ReplicaOptions, scale: ScaleConfig):
         engine_opts["num_replicas"] = scale.replicas
     engine = EngineReplica.options(**engine_opts)
     board = Board.bind()
-    return Ingress.bind(engine.bind(options, board), board, scale, "EngineReplica")
+    return Ingress.bind(engine.bind(options, board), board, scale, "EngineReplica", options.server.max_body_bytes)
 
 
 def connect(address: str | None, num_cpus: int | None = None, object_store_mb: int | None = None) -> bool:

@@ -187,6 +187,7 @@ def test_metrics_and_health_cover_both_replicas(ray_app):
 
 @pytest.mark.parametrize("method, path, body", [
     ("POST", "/v1/completions", "{not json"),
+    ("POST", "/v1/completions", "x" * (8 * 2 ** 20 + 1)),  # over the default --max-body-bytes: 413
     ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": -1}),
     ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 10 ** 6}),
     ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 4, "bogus": 1}),
