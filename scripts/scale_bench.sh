@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# castspec loadtest against single-process `castspec serve` and `castspec serve-ray` with 1 and 2 engine
+# replicas (one CPU each, a local Ray cluster on this machine), on the default model and shipped drafter.
+# For each server: the main load (fixed concurrency, streamed chat requests) and a per-request overhead probe
+# (one client, 1-token answers: latency is then mostly what lies between the client and the scheduler).
+# Usage: bash scripts/scale_bench.sh [OUT_DIR]   (results: OUT_DIR/<server>/{load,overhead}/loadtest.json)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-docs/results/scale-out}
+CASTSPEC=.venv/bin/castspec
+PY=.venv/bin/python
+MODEL=(--policy fixed --width 15 --max-batch 8)
+LOAD=(--concurrency 8 --requests 32 --max-tokens 64 --per-domain 4)
+PROBE=(--concurrency 1 --requests 30 --max-tokens 1 --per-domain 4)
+mkdir -p "$OUT"
+
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+wait_healthy() {  # URL: until /health answers ok (replicas loaded)
+  for _ in $(seq 1 600); do
+    if "$PY" -c 'import sys, httpx; sys.exit(httpx.get(sys.argv[1] + "/health", timeout=5).json().get("status") != "ok")' "$1" 2>/dev/null; then
+      return 0
+    fi
+    sleep 1
+  done
+  echo "server at $1 did not become healthy" >&2; return 1
+}
+
+run_against() {  # NAME URL
+  echo "== $1: load average $(cut -d' ' -f1-3 /proc/loadavg) before" | tee -a "$OUT/loadavg.txt"
+  "$CASTSPEC" loadtest --url "$2" "${LOAD[@]}" --out "$OUT/$1/load"
+  "$CASTSPEC" loadtest --url "$2" "${PROBE[@]}" --out "$OUT/$1/overhead"
+  echo "== $1: load average $(cut -d' ' -f1-3 /proc/loadavg) after" | tee -a "$OUT/loadavg.txt"
+}
+
+stop() { kill -INT "$1"; wait "$1" || true; }
+
+: > "$OUT/loadavg.txt"
+port=$(free_port)
+"$CASTSPEC" serve --port "$port" "${MODEL[@]}" & pid=$!
+wait_healthy "http://127.0.0.1:$port"
+run_against single "http://127.0.0.1:$port"
+stop $pid
+
+for n in 1 2; do
+  port=$(free_port)
+  "$CASTSPEC" serve-ray --port "$port" "${MODEL[@]}" --replicas "$n" --cpus-per-replica 1 --local-cpus 2 \
+      --object-store-mb 200 > "$OUT/ray-$n.url" 2> "$OUT/ray-$n.log" & pid=$!
+  wait_healthy "http://127.0.0.1:$port"
+  run_against "ray-$n" "http://127.0.0.1:$port"
+  stop $pid
+done
+
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = []
+for name in ("single", "ray-1", "ray-2"):
+    load = json.loads((out / name / "load" / "loadtest.json").read_text())["results"][0]
+    probe = json.loads((out / name / "overhead" / "loadtest.json").read_text())["results"][0]
+    rows.append({"server": name, "ok": f"{load['ok']}/{load['requests']}", "goodput_tokens_per_s": load["goodput_tokens_per_s"],
+                 "p50_latency_s": load["p50_latency_s"], "p99_latency_s": load["p99_latency_s"],
+                 "p99_ttft_s": load["p99_ttft_s"], "one_token_p50_s": probe["p50_latency_s"],
+                 "one_token_p99_s": probe["p99_latency_s"]})
+(out / "summary.json").write_text(json.dumps(rows, indent=2))
+print(json.dumps(rows, indent=2))
+EOF
