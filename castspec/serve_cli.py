@@ -24,7 +24,7 @@ def server_config(args):
                             max_messages=args.max_messages, max_stop_strings=args.max_stop_strings,
                             max_stop_chars=args.max_stop_chars,
                             allow_request_chat_template=args.allow_request_chat_template,
-                            shutdown_timeout_s=args.shutdown_timeout)
+                            shutdown_timeout_s=args.shutdown_timeout, prepare_threads=args.prepare_threads)
     except ValueError as e:
         raise UserError(f"{e} (see castspec serve --help)") from None
 
@@ -79,6 +79,8 @@ def add_limit_args(p) -> None:
     p.add_argument("--allow-request-chat-template", action="store_true",
                    help="render Jinja chat templates sent by clients in chat_template_kwargs.chat_template "
                         "(refused by default: a template is code, and its rendering time is not bounded)")
+    p.add_argument("--prepare-threads", type=int, default=d.prepare_threads,
+                   help="threads that parse and tokenize requests off the event loop")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="seconds requests in flight get after SIGTERM/SIGINT before they are ended with an error "
                         "(a second signal exits at once)")

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -96,9 +97,12 @@ class ServerConfig:
     max_stop_chars: int = 1024  # per stop string
     allow_request_chat_template: bool = False  # run Jinja templates sent in chat_template_kwargs.chat_template
     shutdown_timeout_s: float = 10.0  # in-flight requests get this long after a shutdown signal
+    # threads that parse and tokenize requests: bounds the CPU a flood of large prompts takes from decoding, and
+    # the allocator arenas those threads create (docs/serving.md, memory)
+    prepare_threads: int = 2
 
     def __post_init__(self):
-        for name in ("default_max_tokens", "max_body_bytes", "max_messages", "max_stop_chars"):
+        for name in ("default_max_tokens", "max_body_bytes", "max_messages", "max_stop_chars", "prepare_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
@@ -399,6 +403,7 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
     created = int(time.time())
     frontend = Frontend(engine, scheduler.method, config)
     inflight = InFlight()
+    preparing = ThreadPoolExecutor(config.prepare_threads, thread_name_prefix="castspec-prepare")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -409,6 +414,7 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
         finally:
             inflight.expire()
             scheduler.close(stop)
+            preparing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="castspec", lifespan=lifespan)
     app.state.inflight = inflight
@@ -452,7 +458,7 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
     async def serve(http: Request, chat: bool):
         inflight.check_open()
         raw = await read_body(http, config.max_body_bytes)
-        job = await asyncio.to_thread(frontend.prepare, raw, chat)
+        job = await asyncio.get_running_loop().run_in_executor(preparing, frontend.prepare, raw, chat)
         handle = Handle(asyncio.get_running_loop())
         req = submit(job, handle)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
