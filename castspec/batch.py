@@ -34,6 +34,7 @@ class RoundOutput:
     logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
     paths: dict[int, list[int]] = field(default_factory=dict)
     errors: dict[int, Exception] = field(default_factory=dict)  # id(sequence) -> its own failure after the forward
+    token_logprobs: dict[int, list] = field(default_factory=dict)  # id(sequence) -> TokenLogprob per emitted token
     packed: int = 0  # rows in the target forward
     prefill_tokens: int = 0
     draft_ms: float = 0.0
@@ -135,6 +136,8 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
                 out.paths[id(s)] = path
                 if policy is not None and len(tree):
                     policy.observe(tree, path)
+            if s.cfg.logprobs is not None:
+                out.token_logprobs[id(s)] = s.new_logprobs
         except Exception as e:  # noqa: BLE001 - reported per sequence
             s.done = True
             out.errors[id(s)] = e

@@ -41,6 +41,12 @@ class KVCache:
         self.v[:, :, :, dst:dst + n] = self.v.index_select(3, keep_slots)
         self.length = dst + n
 
+    def copy_prefix(self, other: "KVCache", n: int) -> None:
+        """Take `other`'s first n slots (a forked sequence shares its parent's prompt)."""
+        self.k[:, :, :, :n] = other.k[:, :, :, :n]
+        self.v[:, :, :, :n] = other.v[:, :, :, :n]
+        self.length = n
+
     def reset(self) -> None:
         self.length = 0
 

@@ -30,7 +30,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--verifier", default="rrs", help="T > 0: rrs (proposal-aware, default) or direct")
+    p.add_argument("--verifier", default="coupled",
+                   help="T > 0: coupled (seeded draws per position: every method gives the same tokens; default), "
+                        "rrs (proposal-aware recursive rejection sampling) or direct")
 
 
 def parse_width(value: str) -> int | str:

@@ -5,6 +5,7 @@ The HF config object itself is kept only for what transformers computes better t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 SUPPORTED_TARGETS = ("llama", "qwen3")
@@ -164,6 +165,7 @@ class DrafterConfig:
 
 
 METHODS = ("ar", "chain", "cast")
+VERIFIERS = ("coupled", "rrs", "direct")
 DEFAULT_WIDTH = 15  # `width="auto"` until the cost-aware rule lands: 16 packed tokens, ~flat cost in bf16 here
 
 
@@ -178,7 +180,19 @@ class DecodeConfig:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    verifier: str = "rrs"  # T > 0: "rrs" (proposal-aware, recursive without replacement) or "direct"
+    # T > 0: "coupled" (each output position's draw fixed by the seed, so every method commits the same tokens),
+    # "rrs" (proposal-aware recursive rejection sampling) or "direct"; all three keep the target's law
+    verifier: str = "coupled"
+    # vLLM-style logit processing, applied at every tree node exactly as at an `ar` step (castspec.sampling)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    # log-probabilities of each output token and its `logprobs` best alternatives (None: off); "raw" from the
+    # target's logits, "processed" from the law the token is drawn from
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
     # width="auto": recalibrate the drafter's masses from the acceptance the engine has observed (depth x mass
     # bins, monotone) before the per-round rule reads them
     calibrate: bool = False
@@ -198,8 +212,21 @@ class DecodeConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        if self.verifier not in ("rrs", "direct"):
-            raise ConfigError(f"verifier must be 'rrs' or 'direct', got {self.verifier!r}")
+        if self.verifier not in VERIFIERS:
+            raise ConfigError(f"verifier must be one of {', '.join(VERIFIERS)}, got {self.verifier!r}")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not isinstance(t, int) or t < 0 or not math.isfinite(b) for t, b in self.logit_bias.items()):
+            raise ConfigError("logit_bias must map non-negative token ids to finite numbers")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ConfigError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ConfigError(f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ConfigError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
 
     @property
     def resolved_width(self) -> int:

@@ -75,8 +75,10 @@ def policy_for(cfg: DecodeConfig, drafter: DFlashDrafter | None, width_rule=None
 
 
 def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cfg: DecodeConfig,
-           stats: DecodeStats | None = None, width_rule=None, on_round=None) -> Iterator[list[int]]:
-    """Yield the new tokens round by round (after stop handling); fill `stats` as it goes.
+           stats: DecodeStats | None = None, width_rule=None, on_round=None,
+           logprobs: list | None = None) -> Iterator[list[int]]:
+    """Yield the new tokens round by round (after stop handling); fill `stats` as it goes, and `logprobs` with
+    one sampling.TokenLogprob per yielded token when cfg.logprobs is set.
 
     width_rule (a cost.RoundWidth) picks each round's width for method "cast" with width "auto"; without one,
     "auto" means the fixed DEFAULT_WIDTH. on_round(logprobs, tree, accepted_rows, emitted) observes every
@@ -102,6 +104,8 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
         synchronize(target.device)
         stats.prefill_ms = (clock() - t0) * 1e3
         stats.new_tokens = seq.emitted
+        if logprobs is not None:
+            logprobs.extend(first.token_logprobs.get(key, []))
         yield first.emitted[key]
         t_decode = clock()
         while not seq.done:
@@ -116,6 +120,8 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
             if on_round is not None and key in out.logprobs:
                 on_round(out.logprobs[key], out.trees[key], out.paths[key], out.emitted[key])
             stats.new_tokens = seq.emitted
+            if logprobs is not None:
+                logprobs.extend(out.token_logprobs.get(key, []))
             yield out.emitted[key]
 
 

@@ -13,6 +13,7 @@ from .decode import DecodeStats, decode
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .models.load import LoadError, cache_dir, load_drafter, load_target
+from .sampling import TokenLogprob
 from .tree import universe_size
 
 log = logging.getLogger("castspec")
@@ -58,10 +59,15 @@ class GenerateResult:
     stats: DecodeStats
     method: str
     width: int | str  # as requested; stats.to_dict()["mean_packed"] - 1 is the mean realized width
+    logprobs: list[TokenLogprob] | None = None  # one per token when asked for (logprobs=k)
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "width": self.width, "token_ids": self.token_ids, "text": self.text,
-                "stats": self.stats.to_dict()}
+        out = {"method": self.method, "width": self.width, "token_ids": self.token_ids, "text": self.text,
+               "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": x.token, "logprob": x.logprob, "top": [list(t) for t in x.top]}
+                               for x in self.logprobs]
+        return out
 
 
 class Engine:
@@ -159,27 +165,33 @@ class Engine:
         return DecodeConfig(**kw)
 
     def stream(self, prompt=None, messages=None, input_ids=None, stats: DecodeStats | None = None,
-               chat_template_kwargs: dict | None = None, **kw):
-        """Yield lists of new token ids as rounds commit them (see `generate` for the options)."""
+               chat_template_kwargs: dict | None = None, logprobs_out: list | None = None, **kw):
+        """Yield lists of new token ids as rounds commit them (see `generate` for the options); with
+        kw["logprobs"] set, `logprobs_out` receives one TokenLogprob per token."""
         cfg = self.config(**kw)
         ids = self.encode(prompt, messages, input_ids, chat_template_kwargs)
         if cfg.method != "ar" and self.drafter is None:
             raise ValueError(f"method {cfg.method!r} needs a drafter: pass drafter=... (or use method='ar')")
-        yield from decode(self.target, self.drafter, ids, cfg, stats, self.width_rule(cfg))
+        yield from decode(self.target, self.drafter, ids, cfg, stats, self.width_rule(cfg), logprobs=logprobs_out)
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None,
                  input_ids: list[int] | None = None, max_new_tokens: int = 256, method: str = "cast",
                  width: int | str = "auto", top_k_per_position: int = 8, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, verifier: str = "rrs",
-                 calibrate: bool = False, chat_template_kwargs: dict | None = None) -> GenerateResult:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, verifier: str = "coupled",
+                 calibrate: bool = False, chat_template_kwargs: dict | None = None, **processing) -> GenerateResult:
+        """Decode one request. `processing` takes DecodeConfig's logit-processing and log-probability options:
+        presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens, logprobs (the number of
+        alternatives to report per token; 0 = the chosen token only), logprobs_mode ("raw" or "processed")."""
         stats = DecodeStats()
         kw = dict(max_new_tokens=max_new_tokens, method=method, width=width, top_k_per_position=top_k_per_position,
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, verifier=verifier,
-                  calibrate=calibrate)
+                  calibrate=calibrate, **processing)
+        lps = [] if processing.get("logprobs") is not None else None
         tokens = [t for chunk in self.stream(prompt, messages, input_ids, stats=stats,
-                                             chat_template_kwargs=chat_template_kwargs, **kw) for t in chunk]
+                                             chat_template_kwargs=chat_template_kwargs, logprobs_out=lps, **kw)
+                  for t in chunk]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return GenerateResult(tokens, text, stats, method, width)
+        return GenerateResult(tokens, text, stats, method, width, lps)
 
 
 def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtype = "auto") -> Engine:

@@ -1,26 +1,80 @@
-"""Logit processing and seeded sampling shared by every method (ar, chain, cast) at temperature > 0.
+"""Logit processing, seeded sampling and log-probabilities shared by every method (ar, chain, cast).
 
-The processed target law p = top_p(top_k(softmax(logits / T))) is computed the same way at every visited node;
-all sampling runs on the CPU in float64 with one seeded torch.Generator, so a seed reproduces a run exactly and
-CPU and CUDA runs draw the same coins.
+At every visited node the target's logits go through the same steps, in vLLM's order: logit bias, the
+min_tokens mask on stop tokens, repetition / frequency / presence penalties (which read the tokens before that
+node: the prompt, the output so far and the node's ancestors), then temperature, top-k and top-p. Greedy
+decoding takes the argmax after the penalties.
+
+Sampling is coupled to output positions: the token at output index t is argmax_x p(x) / E_t(x), with E_t a
+vector of Exp(1) noise drawn from the request's seed and t alone (the exponential-race form of the Gumbel-max
+trick). That is an exact draw from p, and since the noise does not depend on the tree, the batch or the method,
+`ar`, `chain` and `cast` commit the same tokens for the same seed: a verifier accepts a drafted token exactly
+when it equals that draw. Everything runs on the CPU in float64, so CPU and CUDA runs draw the same coins.
+The proposal-aware recursive rejection sampler (`verifier="rrs"`) and the direct walk (`"direct"`) keep one
+sequential stream per request instead: exact in law, but their draws depend on the tree.
 """
 from __future__ import annotations
 
+import os
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+MASK64 = (1 << 64) - 1
+
 
 @dataclass(frozen=True)
 class LogitProcessor:
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: / r if positive, * r if not
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to the logits
+    min_tokens: int = 0  # stop tokens are masked until this many tokens are out
+    stop_ids: tuple[int, ...] = ()
 
-    def probs(self, logits: torch.Tensor) -> np.ndarray:
+    @classmethod
+    def from_config(cls, cfg) -> "LogitProcessor":
+        return cls(cfg.temperature, cfg.top_k, cfg.top_p, cfg.presence_penalty, cfg.frequency_penalty,
+                   cfg.repetition_penalty, tuple(sorted(cfg.logit_bias.items())), cfg.min_tokens,
+                   tuple(cfg.stop_token_ids))
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether anything changes the raw logits before temperature (else greedy is the plain argmax)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or (self.min_tokens and self.stop_ids))
+
+    def adjusted(self, logits: torch.Tensor, history: "History | None" = None) -> torch.Tensor:
+        """float64 CPU logits after bias, the min_tokens mask and the penalties (the tokens before this node
+        are `history`'s)."""
+        x = logits.detach().to("cpu", torch.float64).clone()
+        if not self.adjusts:
+            return x
+        if self.logit_bias:
+            ids, bias = zip(*self.logit_bias)
+            x[list(ids)] += torch.tensor(bias, dtype=torch.float64)
+        if history is not None and history.length < self.min_tokens and self.stop_ids:
+            x[list(self.stop_ids)] = float("-inf")
+        if history is not None and self.repetition_penalty != 1.0:
+            seen = history.seen()
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
+        if history is not None and (self.presence_penalty or self.frequency_penalty):
+            ids, counts = history.output_counts()
+            x[ids] -= self.frequency_penalty * counts + self.presence_penalty
+        return x
+
+    def greedy(self, logits: torch.Tensor, history: "History | None" = None) -> int:
+        return int(torch.argmax(self.adjusted(logits, history)))
+
+    def probs(self, logits: torch.Tensor, history: "History | None" = None) -> np.ndarray:
         """Processed distribution over the vocabulary (float64, sums to 1) from one row of logits."""
-        x = logits.detach().to("cpu", torch.float64) / self.temperature
+        x = self.adjusted(logits, history) / self.temperature
         if 0 < self.top_k < x.numel():
             kth = torch.topk(x, self.top_k).values[-1]
             x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
@@ -34,17 +88,90 @@ class LogitProcessor:
             p = p / p.sum()
         return p.numpy()
 
+    def logprobs(self, logits: torch.Tensor, history: "History | None", processed: bool) -> torch.Tensor:
+        """Log-probabilities over the vocabulary: of the raw logits, or (processed) of the law tokens are
+        drawn from (after penalties, temperature, top-k, top-p; greedy: after penalties)."""
+        if not processed:
+            return torch.log_softmax(logits.detach().to("cpu", torch.float64), dim=-1)
+        if self.temperature == 0:
+            return torch.log_softmax(self.adjusted(logits, history), dim=-1)
+        return torch.from_numpy(self.probs(logits, history)).log()
+
+
+class History:
+    """The tokens before a node, as the penalties read them: the prompt, the output so far, and (at a tree node)
+    the node's ancestors (`at(path)`)."""
+
+    def __init__(self, prompt: list[int], output: Counter | None = None, length: int = 0):
+        self.prompt = prompt
+        self.output = output if output is not None else Counter()
+        self.length = length  # output tokens so far
+        self._prompt_ids: torch.Tensor | None = None
+
+    def extend(self, tokens: list[int]) -> None:
+        self.output.update(tokens)
+        self.length += len(tokens)
+
+    def at(self, path: list[int]) -> "History":
+        if not path:
+            return self
+        h = History(self.prompt, self.output + Counter(path), self.length + len(path))
+        h._prompt_ids = self._prompt_ids
+        return h
+
+    def seen(self) -> torch.Tensor:
+        if self._prompt_ids is None:
+            self._prompt_ids = torch.tensor(sorted(set(self.prompt)), dtype=torch.long)
+        out = torch.tensor(list(self.output), dtype=torch.long)
+        return torch.unique(torch.cat([self._prompt_ids, out]))
+
+    def output_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(list(self.output), dtype=torch.long)
+        counts = torch.tensor([self.output[t] for t in ids.tolist()], dtype=torch.float64)
+        return ids, counts
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A 64-bit seed for stream `index` of `seed` (SplitMix64's finalizer over both): nearby seeds and indices
+    give unrelated streams."""
+    z = ((seed & MASK64) * 0x9E3779B97F4A7C15 + (index & MASK64) + 0x632BE59BD9B4E019) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)  # torch seeds are signed 64-bit
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of continuation `index` of a request with `seed` (n > 1): the first keeps the request's seed,
+    so n = 1 and the first of n draw the same tokens."""
+    return seed if seed is None or index == 0 else mix_seed(seed, index)
+
 
 class Sampler:
-    """Seeded draws for one request."""
+    """Seeded draws for one request: `draw(logits, t, history)` for output index t (coupled, see the module
+    docstring), and one sequential stream (`uniform`, `choice`) for the rrs and direct verifiers."""
 
     def __init__(self, processor: LogitProcessor, seed: int | None):
         self.processor = processor
-        self.generator = torch.Generator()
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
+        self.generator = torch.Generator().manual_seed(mix_seed(self.seed, -1))
+        self._noise: dict[int, torch.Tensor] = {}
+
+    def noise(self, t: int, size: int) -> torch.Tensor:
+        """Exp(1) noise of output index t (cached while the sequence can still revisit t)."""
+        e = self._noise.get(t)
+        if e is None:
+            g = torch.Generator().manual_seed(mix_seed(self.seed, t))
+            e = self._noise[t] = torch.empty(size, dtype=torch.float64).exponential_(generator=g)
+        return e
+
+    def forget_before(self, t: int) -> None:
+        for k in [k for k in self._noise if k < t]:
+            del self._noise[k]
+
+    def draw(self, logits: torch.Tensor, t: int, history: History | None = None) -> int:
+        p = torch.from_numpy(self.processor.probs(logits, history))
+        e = self.noise(t, p.numel())
+        return int(torch.argmax(torch.where(p > 0, p / e, torch.full_like(p, -1.0))))
 
     def uniform(self) -> float:
         return float(torch.rand((), dtype=torch.float64, generator=self.generator))
@@ -55,8 +182,21 @@ class Sampler:
         u = self.uniform() * cdf[-1]
         return int(min(np.searchsorted(cdf, u, side="right"), len(weights) - 1))
 
-    def token(self, logits: torch.Tensor) -> int:
-        return self.choice(self.processor.probs(logits))
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens at that position, best first
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The chosen token's log-probability and the `top` best alternatives from one row of log-probabilities."""
+    best = []
+    if top > 0:
+        values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+        best = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), tuple(best))
 
 
 def draft_proposal(draft_logprobs: torch.Tensor, temperature: float) -> np.ndarray:

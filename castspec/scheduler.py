@@ -55,12 +55,19 @@ class SchedulerConfig:
 @dataclass
 class Request:
     """One submitted request. `on_tokens(tokens)` gets every committed chunk, `on_done(reason, error)` once
-    (reason: "stop" | "length" | "cancelled" | "error"). Both run on the scheduler thread: keep them short."""
+    (reason: "stop" | "length" | "cancelled" | "error"); with cfg.logprobs set, `on_logprobs` gets each chunk's
+    sampling.TokenLogprob list just before its tokens. All run on the scheduler thread: keep them short.
+
+    `fork_of`: another request for the same prompt (n > 1 continuations): this one starts from a copy of that
+    request's prefilled caches instead of reading the prompt again, when it can be admitted right after that
+    prefill (otherwise it reads the prompt itself; the tokens are the same either way)."""
 
     prompt: list[int]
     cfg: DecodeConfig
     on_tokens: Callable[[list[int]], None]
     on_done: Callable[[str, str | None], None]
+    on_logprobs: Callable[[list], None] | None = None
+    fork_of: "Request | None" = None
     id: int = 0
     seq: Sequence | None = None
     cancelled: bool = False
@@ -203,24 +210,31 @@ class Scheduler:
                 m.committed += a + 1
                 m.acceptance[a] = m.acceptance.get(a, 0) + 1
                 r.rounds += 1
-            new = out.emitted.get(key, [])
-            if new:
-                r.first_token = r.first_token or now
-                r.tokens += len(new)
-                m.tokens += len(new)
-                self._deliver(r, new)
+            self._deliver(r, out.emitted.get(key, []), out.token_logprobs.get(key, []), now)
             if key in out.errors:
                 err = out.errors[key]
                 self._finish(r, "error", f"{type(err).__name__}: {err}")
-            elif r.seq.done and not r.cancelled:
-                self._finish(r, r.seq.finish_reason or "stop")
+            else:
+                self._finish_if_done(r)
 
-    def _deliver(self, r: Request, tokens: list[int]) -> None:
+    def _deliver(self, r: Request, tokens: list[int], logprobs: list, now: float | None = None) -> None:
+        """Hand a request its new tokens and, when it asked for them, their log-probabilities."""
+        if not tokens:
+            return
+        r.first_token = r.first_token or now or time.perf_counter()
+        r.tokens += len(tokens)
+        self.metrics.tokens += len(tokens)
         try:
+            if r.on_logprobs is not None and logprobs:
+                r.on_logprobs(logprobs)
             r.on_tokens(tokens)
         except Exception:  # noqa: BLE001 - a broken consumer cancels only its own request
             log.exception("castspec: token callback failed; cancelling request %d", r.id)
             r.cancel()
+
+    def _finish_if_done(self, r: Request) -> None:
+        if r.seq.done and not r.cancelled:
+            self._finish(r, r.seq.finish_reason or "stop")
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         if r.seq is not None:
@@ -246,18 +260,34 @@ class Scheduler:
         self._active = keep
 
     def _admit(self) -> None:
+        forked = []  # (request, first tokens): delivered outside the lock
         with self._lock:
+            later: list[Request] = []  # forks whose source is still reading the prompt
             while self._waiting and len(self._active) < self.cfg.max_batch:
                 r = self._waiting.popleft()
                 if r.cancelled:
                     self._finish(r, "cancelled")
                     continue
+                source = r.fork_of
+                if source is not None and source.finish_reason is None and (
+                        source.seq is None or source.seq.prompt_logits is None):
+                    later.append(r)
+                    continue
                 try:
-                    r.seq = Sequence(self.target, self.drafter, r.prompt, r.cfg, self.max_nodes)
+                    if source is not None and source.seq is not None and source.seq.prompt_logits is not None \
+                            and source.seq.emitted == 1:
+                        r.seq, first = source.seq.fork(r.cfg, self.max_nodes)
+                        forked.append((r, first))
+                    else:
+                        r.seq = Sequence(self.target, self.drafter, r.prompt, r.cfg, self.max_nodes)
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory for its caches
                     self._finish(r, "error", f"{type(e).__name__}: {e}")
                     continue
                 self._active.append(r)
+            self._waiting.extendleft(reversed(later))
+        for r, first in forked:
+            self._deliver(r, first, r.seq.new_logprobs)
+            self._finish_if_done(r)
 
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop` is set; sleeps while idle."""

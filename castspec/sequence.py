@@ -15,9 +15,9 @@ from .config import DecodeConfig
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter, DraftSegment
 from .pack import Pack, pack_tree
-from .sampling import LogitProcessor, Sampler
+from .sampling import History, LogitProcessor, Sampler, TokenLogprob, token_logprob
 from .tree import Tree
-from .verify import greedy_walk, sampled_walk
+from .verify import sampled_walk, walk
 
 
 class ContextLengthError(ValueError):
@@ -97,12 +97,16 @@ class Sequence:
         self.draft = DraftState(self.drafter, self.capacity + L + 1) if self.drafter else None
         self.prompt = prompt
         self.prefilled = 0  # prompt tokens already in the cache
+        self.prompt_logits: torch.Tensor | None = None  # the target's logits after the prompt (for forks)
         self.root: int | None = None
-        self.sampler = None  # None = greedy
-        if cfg.temperature > 0:
-            self.sampler = Sampler(LogitProcessor(cfg.temperature, cfg.top_k, cfg.top_p), cfg.seed)
-        self.direct_walk = cfg.verifier == "direct"
+        bad = [t for t in [*cfg.logit_bias, *cfg.stop_token_ids] if t >= target.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {target.cfg.vocab_size})")
+        self.proc = LogitProcessor.from_config(cfg)
+        self.history = History(prompt)  # what the penalties read: prompt and output
+        self.sampler = Sampler(self.proc, cfg.seed) if cfg.temperature > 0 else None  # None = greedy
         self.stop = set(cfg.stop_token_ids)
+        self.new_logprobs: list[TokenLogprob] = []  # of the tokens the last round emitted (cfg.logprobs)
         self.emitted = 0
         self.done = cfg.max_new_tokens == 0
         self.finish_reason: str | None = "length" if self.done else None  # "stop" | "length" once done
@@ -140,14 +144,35 @@ class Sequence:
                              feats: torch.Tensor | None) -> list[int]:
         """Account a prefilled chunk; after the last one the target's next token becomes the root and the
         first output token. Returns the emitted tokens (empty until the prompt is complete)."""
+        self.new_logprobs = []
         self.prefilled += n
         self.cache.length = self.prefilled
         if self.draft is not None:
             self.draft.add_context(feats)
         if self.prefilled < len(self.prompt):
             return []
-        self.root = self.sampler.token(last_logits) if self.sampler else greedy
-        return self._emit([self.root])
+        rows = self.prompt_logits = last_logits.view(1, -1)
+        self.root = self._picker(rows, [greedy])(0, [])
+        return self._emit([self.root], rows, [0])
+
+    def fork(self, cfg: DecodeConfig, max_nodes: int = 0) -> tuple["Sequence", list[int]]:
+        """Another continuation of this sequence's prompt with its own config (seed): the prompt's caches are
+        copied, not prefilled again, and its first token is drawn from the same prompt logits. Only after this
+        sequence's prefill. Returns (the new sequence, its first emitted tokens)."""
+        if self.prompt_logits is None or self.emitted != 1:
+            raise RuntimeError("a sequence forks between its prefill and its first round only")
+        child = Sequence(self.target, self.drafter, self.prompt, cfg, max_nodes)
+        n = child.prefilled = len(self.prompt)
+        child.cache.copy_prefix(self.cache, n)
+        if child.draft is not None:  # the drafter has seen what this sequence has of the prompt: the same
+            child.draft.cache.copy_prefix(self.draft.cache, self.draft.cache.length)
+            pending = self.draft.pending
+            if pending is not None and self.draft.cache.length + pending.shape[1] > n:  # rows past the prompt
+                pending = pending[:, :n - self.draft.cache.length]
+            child.draft.pending = pending
+        rows = child.prompt_logits = self.prompt_logits
+        child.root = child._picker(rows, [int(rows[0].argmax())])(0, [])
+        return child, child._emit([child.root], rows, [0])
 
     # -- verify ------------------------------------------------------------------------------------------
     def verify_segment(self, tree: Tree) -> tuple[Pack, Segment]:
@@ -161,10 +186,12 @@ class Sequence:
 
         logits [N+1, V] are this pack's rows (greedy: their argmaxes). Returns (emitted tokens after stop
         handling, accepted pack rows)."""
-        if self.sampler is None:
-            path, nxt = greedy_walk(tree, greedy)
+        self.new_logprobs = []
+        if self.sampler is None or self.cfg.verifier == "coupled":
+            path, nxt = walk(tree, self._picker(logits, greedy))
         else:
-            path, nxt = sampled_walk(tree, logits.cpu(), draft_logprobs, self.sampler, self.direct_walk)
+            path, nxt = sampled_walk(tree, logits.cpu(), draft_logprobs, self.sampler, self.cfg.verifier == "direct",
+                                     self.history)
         P = self.prefix_len
         keep = [0, *path]
         if keep[-1] != len(keep) - 1:  # accepted rows are not already contiguous after the root: gather
@@ -173,10 +200,21 @@ class Sequence:
         if self.draft is not None:
             self.draft.add_context(feats[:, keep] if len(keep) < feats.shape[1] else feats)
         self.root = nxt
-        return self._emit([tree.tokens[r - 1] for r in path] + [nxt]), path
+        return self._emit([tree.tokens[r - 1] for r in path] + [nxt], logits, [0, *path]), path
 
-    def _emit(self, new: list[int]) -> list[int]:
-        """Cut at the first stop token (kept) and at max_new_tokens; mark the sequence done accordingly."""
+    def _picker(self, logits: torch.Tensor, greedy: list[int]):
+        """pick(row, path_tokens) for `walk`: the target's token at pack row `row` of `logits`, reached through
+        the drafted `path_tokens` (their output index and their place in the penalties' history)."""
+        t0, proc, history, sampler = self.emitted, self.proc, self.history, self.sampler
+        if sampler is not None:
+            return lambda row, path: sampler.draw(logits[row], t0 + len(path), history.at(path))
+        if proc.adjusts:
+            return lambda row, path: proc.greedy(logits[row], history.at(path))
+        return lambda row, path: greedy[row]
+
+    def _emit(self, new: list[int], logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """Cut at the first stop token (kept) and at max_new_tokens; mark the sequence done accordingly.
+        new[j] was chosen at pack row rows[j] of `logits` (for log-probabilities)."""
         for i, tok in enumerate(new):
             if tok in self.stop:
                 new, self.done, self.finish_reason = new[:i + 1], True, "stop"
@@ -185,6 +223,14 @@ class Sequence:
             if len(new) > self.remaining or not self.done:
                 self.finish_reason = "length"
             new, self.done = new[:self.remaining], True
+        if self.cfg.logprobs is not None:
+            processed = self.cfg.logprobs_mode == "processed"
+            self.new_logprobs = [
+                token_logprob(self.proc.logprobs(logits[rows[j]], self.history.at(new[:j]) if processed else None,
+                                                 processed), tok, self.cfg.logprobs) for j, tok in enumerate(new)]
+        self.history.extend(new)
         self.emitted += len(new)
+        if self.sampler is not None:
+            self.sampler.forget_before(self.emitted)
         return new
 

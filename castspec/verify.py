@@ -14,19 +14,30 @@ def children_by_token(tree: Tree) -> list[dict[int, int]]:
     return kids
 
 
-def greedy_walk(tree: Tree, target_tokens: list[int]) -> tuple[list[int], int]:
-    """Follow, from the root, the child whose token is the target's greedy choice at the current row.
+def walk(tree: Tree, pick) -> tuple[list[int], int]:
+    """Follow, from the root, the child whose token is the target's choice at the current row.
 
-    target_tokens[r] is the target's argmax at pack row r. Returns (accepted pack rows in order, the target's
-    token after the last accepted row: the next pending root).
+    pick(row, path_tokens) is the target's token at pack row `row`, reached through the drafted tokens
+    `path_tokens`: the plain argmax, the argmax after penalties, or a seed-coupled draw (castspec.sampling).
+    Returns (accepted pack rows in order, the target's token after the last accepted row: the next root).
     """
     kids = children_by_token(tree)
     path: list[int] = []
+    tokens: list[int] = []
     row = 0
-    while (nxt := kids[row].get(target_tokens[row])) is not None:
+    while True:
+        tok = pick(row, tokens)
+        nxt = kids[row].get(tok)
+        if nxt is None:
+            return path, tok
         path.append(nxt)
+        tokens.append(tok)
         row = nxt
-    return path, target_tokens[row]
+
+
+def greedy_walk(tree: Tree, target_tokens: list[int]) -> tuple[list[int], int]:
+    """`walk` with target_tokens[r], the target's argmax at pack row r."""
+    return walk(tree, lambda row, _: target_tokens[row])
 
 
 def rrs_node(mu: np.ndarray, child_tokens: list[int], q: np.ndarray, sampler) -> tuple[int | None, np.ndarray]:
@@ -57,9 +68,11 @@ def rrs_node(mu: np.ndarray, child_tokens: list[int], q: np.ndarray, sampler) ->
     return None, mu
 
 
-def sampled_walk(tree: Tree, target_logits, draft_logprobs, sampler, direct: bool = False) -> tuple[list[int], int]:
+def sampled_walk(tree: Tree, target_logits, draft_logprobs, sampler, direct: bool = False,
+                 history=None) -> tuple[list[int], int]:
     """Stochastic verification from the root: the output path + next token are distributed exactly as sampling
-    the target autoregressively with the sampler's logit processing.
+    the target autoregressively with the sampler's logit processing (`history`: the tokens before the root, for
+    the penalties).
 
     direct=False: proposal-aware recursive rejection sampling over each visited node's children.
     direct=True: the simpler walk that samples the target at each node and descends if a child matches.
@@ -73,7 +86,7 @@ def sampled_walk(tree: Tree, target_logits, draft_logprobs, sampler, direct: boo
     row, depth = 0, 0
     proc = sampler.processor
     while True:
-        mu = proc.probs(target_logits[row])
+        mu = proc.probs(target_logits[row], history.at([tree.tokens[r - 1] for r in path]) if history else None)
         children = kids[row]
         if not children:
             return path, sampler.choice(mu)
