@@ -334,7 +334,6 @@ class Handle:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.request: SchedRequest | None = None
 
     def on_tokens(self, tokens: list[int]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ("tokens", list(tokens)))
@@ -344,8 +343,6 @@ class Handle:
 
     def end(self, message: str) -> None:
         """End the request now (on the event loop): its handler answers 503 or an SSE error event."""
-        if self.request is not None:
-            self.request.cancel()
         self.queue.put_nowait(("done", ("shutdown", message)))
 
 
@@ -354,7 +351,9 @@ class InFlight:
     get 503 at once, and when the deadline passes every request still running is ended with a clean error."""
 
     def __init__(self):
-        self.handles: set[Handle] = set()
+        # handle -> its scheduler request; kept here, not on the handle, because the request already points
+        # at the handle (its callbacks): a cycle would keep a finished request's caches until a full GC
+        self.handles: dict[Handle, SchedRequest] = {}
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -377,8 +376,9 @@ class InFlight:
         self._timer = self.loop.call_later(timeout_s, self.expire)
 
     def expire(self) -> None:
-        for h in list(self.handles):
-            h.end("the server shut down before this request finished (shutdown deadline reached)")
+        for handle, request in list(self.handles.items()):
+            request.cancel()
+            handle.end("the server shut down before this request finished (shutdown deadline reached)")
         self.handles.clear()
 
 
@@ -445,15 +445,15 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
     def submit(job: Prepared, handle: Handle) -> SchedRequest:
         inflight.check_open()
         try:
-            handle.request = scheduler.submit(SchedRequest(job.ids, job.cfg, handle.on_tokens, handle.on_done))
+            req = scheduler.submit(SchedRequest(job.ids, job.cfg, handle.on_tokens, handle.on_done))
         except (ConfigError, ContextLengthError, ValueError) as e:
             raise ApiError(400, str(e)) from None
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error") from None
         except ShuttingDown as e:
             raise ApiError(503, str(e), "unavailable_error") from None
-        inflight.handles.add(handle)
-        return handle.request
+        inflight.handles[handle] = req
+        return req
 
     async def serve(http: Request, chat: bool):
         inflight.check_open()
@@ -472,7 +472,7 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
                 pieces.append(piece)
         finally:
             watcher.cancel()
-            inflight.handles.discard(handle)
+            inflight.handles.pop(handle, None)
         if reason == "shutdown":
             raise ApiError(503, pieces[-1], "unavailable_error")
         if reason == "error":
@@ -563,7 +563,7 @@ async def stream_events(handle: Handle, req: SchedRequest, job: Prepared, meta: 
             yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or we are done): free the request's slot at the next round
-        inflight.handles.discard(handle)
+        inflight.handles.pop(handle, None)
         req.cancel()
 
 
