@@ -1,6 +1,7 @@
 """Sampled decoding (T > 0) keeps the target's law: logit processing, the single-node verifier, end to end."""
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 
 from castspec.config import DecodeConfig
 from castspec.decode import decode
-from castspec.sampling import LogitProcessor, Sampler
+from castspec.sampling import History, LogitProcessor, Sampler, choice_seed
+from castspec.scheduler import Request, Scheduler, SchedulerConfig
 from castspec.verify import rrs_node
 from conftest import llama_config, make_hf, native, random_drafter
 
@@ -131,9 +133,10 @@ def exact_marginals(target, prompt, proc: LogitProcessor):
     joint = {}
     for r, s in enumerate(seqs):
         prob_prefix = 1.0
+        history = History(prompt)  # what the penalties read before each position
         for t in range(NEW - 1):
-            prob_prefix *= proc.probs(logits[r, P - 1 + t])[s[t]]
-        last = proc.probs(logits[r, P - 1 + NEW - 1])
+            prob_prefix *= proc.probs(logits[r, P - 1 + t], history.at(list(s[:t])))[s[t]]
+        last = proc.probs(logits[r, P - 1 + NEW - 1], history.at(list(s)))
         for y in range(V):
             joint[s + (y,)] = prob_prefix * last[y]
     singles = [np.zeros(V) for _ in range(NEW)]
@@ -153,6 +156,10 @@ CONFIGS = [
     dict(method="cast", width=3),
     dict(method="cast", width=15),
     dict(method="cast", width=15, verifier="direct"),
+    dict(method="cast", width=15, verifier="rrs"),
+    dict(method="chain", verifier="rrs"),
+    dict(method="cast", width=15, presence_penalty=0.8, repetition_penalty=1.4),  # the law after penalties
+    dict(method="cast", width=15, n=4),  # four forked continuations per prompt (scheduler, one prefill)
     dict(method="cast", width=15, top_k=4, top_p=0.9, temperature=0.8),
     dict(method="chain", top_k=4, top_p=0.9, temperature=0.8),
     dict(method="cast", width=15, draft_vocab=(0, 2, 3, 5)),  # q is 0 outside the draft vocabulary
@@ -167,17 +174,33 @@ def test_sampled_decoding_preserves_the_target_law(law_setup, cfg):
         drafter = drafter.converted(drafter.dtype)
         drafter.set_draft_vocab(torch.tensor(cfg.pop("draft_vocab")))
     prompt = [1, 4, 2]
-    proc = LogitProcessor(cfg["temperature"], cfg.get("top_k", 0), cfg.get("top_p", 1.0))
+    forks = cfg.pop("n", 1)
+    dcfg = DecodeConfig(max_new_tokens=NEW, **cfg)
+    proc = LogitProcessor.from_config(dcfg)
     singles, pairs = exact_marginals(target, prompt, proc)
     n = 1500
     samples = np.zeros((n, NEW), dtype=int)
     accepted = 0
     from castspec.decode import DecodeStats
 
-    for i in range(n):
+    if forks > 1:
+        for i in range(0, n, forks):
+            sched = Scheduler(target, drafter, SchedulerConfig(policy="fixed", width=dcfg.width))
+            outs = [[] for _ in range(forks)]
+            lead = None
+            for j in range(forks):
+                r = Request(prompt, replace(dcfg, seed=choice_seed(i, j)), outs[j].extend, lambda *a: None,
+                            fork_of=lead)
+                lead = lead or r
+                sched.submit(r)
+            while sched.active or sched.queue_length:
+                sched.step()
+            samples[i:i + forks] = outs
+            accepted += sched.metrics.committed - sched.metrics.verified
+            assert sched.metrics.prefill_tokens == len(prompt)
+    for i in range(n if forks == 1 else 0):
         stats = DecodeStats()
-        out = [t for c in decode(target, drafter, prompt, DecodeConfig(max_new_tokens=NEW, seed=i, **cfg), stats)
-               for t in c]
+        out = [t for c in decode(target, drafter, prompt, replace(dcfg, seed=i), stats) for t in c]
         samples[i] = out
         accepted += sum(r.accepted for r in stats.rounds)
     if cfg["method"] != "ar":
