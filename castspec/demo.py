@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain why the sky is blue in three sentences.",
@@ -10,7 +12,8 @@ DEMO_PROMPTS = [
 ]
 
 
-def run_demo(engine, max_new_tokens: int = 96, width="auto", out=sys.stdout) -> list[dict]:
+def run_demo(engine, max_new_tokens: int = 96, width="auto", out=None) -> list[dict]:
+    out = out or sys.stdout  # looked up per call: a default bound at import would miss a redirected stdout
     methods = ["ar", "cast"] if engine.drafter is not None else ["ar"]
     print(f"castspec demo: target in {engine.dtype_reason}; methods {', '.join(methods)}", file=out)
     if engine.drafter is None:
@@ -31,15 +34,62 @@ def run_demo(engine, max_new_tokens: int = 96, width="auto", out=sys.stdout) -> 
             print(f"  {m:>5}: {s.new_tokens:3d} tokens  R={s.mean_accepted:.2f}  "
                   f"{s.decode_ms_per_token:6.1f} ms/token  speedup over ar {speed:.2f}x", file=out)
             rows.append({"prompt": prompt, "method": m, **s.to_dict(), "speedup": speed})
-        if "cast" in results and results["cast"].token_ids != results["ar"].token_ids:
-            print("  (bf16: cast and ar differ after a near-tie of the top two logits; fp32 is exact)", file=out)
+        if "cast" in results:
+            check_exact(engine, messages, results["ar"].token_ids, results["cast"].token_ids, out)
     return rows
 
 
-def cmd_demo(args) -> int:
-    from .cli import load_engine
+class ExactnessError(RuntimeError):
+    """`cast` and `ar` gave different greedy tokens in fp32, where they must agree token for token."""
 
-    run_demo(load_engine(args), args.max_new_tokens, args.width)
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (one ending early counts), or None if they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top_two_gap(engine, messages: list[dict], position: int) -> float | None:
+    """The gap between the target's two best logits at output `position`, from an `ar` re-run (log-probabilities
+    differ from logits by one constant per position, so their gap is the logits' gap)."""
+    r = engine.generate(messages=messages, method="ar", max_new_tokens=position + 1, logprobs=2)
+    if r.logprobs is None or len(r.logprobs) <= position or len(r.logprobs[position].top) < 2:
+        return None  # ar stopped before that position: cast ran past a stop token ar chose
+    (_, first), (_, second) = r.logprobs[position].top[:2]
+    return first - second
+
+
+def choice(ids: list[int], pos: int) -> str:
+    return f"chose token {ids[pos]}" if pos < len(ids) else "had ended"
+
+
+def check_exact(engine, messages: list[dict], ar: list[int], cast: list[int], out) -> None:
+    """Greedy `cast` must equal `ar`: in fp32 a difference is a bug (raise); in bf16/fp16 the two forwards round
+    differently, so they may part where the top two logits nearly tie: say where, and how near the tie was."""
+    pos = first_difference(ar, cast)
+    if pos is None:
+        return
+    where = f"cast and ar part at output position {pos} (ar {choice(ar, pos)}, cast {choice(cast, pos)})"
+    if engine.dtype == torch.float32:
+        raise ExactnessError(f"{where} in fp32, where greedy cast must equal ar token for token: "
+                             "this is an exactness bug")
+    gap = top_two_gap(engine, messages, pos)
+    tie = f"ar's top two logits there are {gap:.3g} apart" if gap is not None else "ar stopped there"
+    print(f"  ({where}; {tie}: in {str(engine.dtype).removeprefix('torch.')} the two forwards round differently "
+          "and may part at near-ties; fp32 is exact)", file=out)
+
+
+def cmd_demo(args) -> int:
+    from .cli import load_engine, parse_width
+
+    width = parse_width(args.width)  # before the load: a typo should not cost one
+    try:
+        run_demo(load_engine(args), args.max_new_tokens, width)
+    except ExactnessError as e:
+        print(f"castspec demo: FAILED: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
