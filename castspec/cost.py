@@ -12,6 +12,8 @@ import hashlib
 import heapq
 import json
 import math
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -81,8 +83,21 @@ class CostProfile:
         return max(self.packed) - 1
 
     def save(self, path: Path) -> None:
+        """Write atomically: readers and other processes saving the same profile see the old file or the new
+        one, never a partial one (a failed write leaves the old file as it was)."""
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        text = json.dumps(asdict(self), indent=2)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())  # the new contents reach the disk before the name points at them
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @staticmethod
     def load(path: Path) -> "CostProfile":

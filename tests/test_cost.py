@@ -150,3 +150,60 @@ def test_profile_key_follows_the_drafter_shape():
             for bs in (4, 6)]
     assert keys[0] != keys[1]
     assert engine_key(Engine(target, None, None, source="t"))["drafter"] == "none"
+
+
+SAVE_UNDER_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+from pathlib import Path
+from castspec.cost import CostProfile
+
+path = Path(sys.argv[1])
+profile = CostProfile.load(path)
+profile.host_ms = {str(n): 1.0 for n in range(500)}  # a bigger file than the limit lets through
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256))
+try:
+    profile.save(path)
+except OSError:
+    sys.exit(3)
+"""
+
+
+def test_a_failed_profile_save_leaves_the_old_profile_whole(tmp_path):
+    """A save that fails halfway (here: a file-size limit, as a full disk would) must not leave a truncated
+    profile behind: the next start would read half a JSON file."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "profiles" / "p.json"
+    old = profile_from(lambda n: 10 + n)
+    old.save(path)
+    run = subprocess.run([sys.executable, "-c", SAVE_UNDER_A_FILE_SIZE_LIMIT, str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 3, run.stderr
+    assert CostProfile.load(path) == old
+    assert [p.name for p in path.parent.iterdir()] == ["p.json"]  # the temporary file is gone too
+
+
+def test_concurrent_profile_saves_never_show_a_partial_file(tmp_path):
+    """Two processes saving the same profile while a third keeps reading it: every read is a whole profile."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "p.json"
+    big = profile_from(lambda n: 10 + n)
+    big.host_ms = {str(n): float(n) for n in range(20000)}  # large enough that a write takes many syscalls
+    big.save(path)
+    writer = ("import sys; from pathlib import Path; from castspec.cost import CostProfile\n"
+              "p = CostProfile.load(sys.argv[1])\n"
+              "for _ in range(40): p.save(Path(sys.argv[1]))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", writer, str(path)]) for _ in range(2)]
+    reads = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            assert CostProfile.load(path) == big
+            reads += 1
+    finally:
+        codes = [p.wait(timeout=120) for p in procs]
+    assert codes == [0, 0] and reads > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
