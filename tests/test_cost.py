@@ -192,7 +192,7 @@ def test_concurrent_profile_saves_never_show_a_partial_file(tmp_path):
 
     path = tmp_path / "p.json"
     big = profile_from(lambda n: 10 + n)
-    big.host_ms = {str(n): float(n) for n in range(5000)}  # big enough that a truncated-then-written file can be caught mid-write
+    big.host_ms = {str(n): float(n) for n in range(5000)}  # big enough to be caught mid-write when not atomic
     big.save(path)
     writer = ("import sys; from pathlib import Path; from castspec.cost import CostProfile\n"
               "p = CostProfile.load(sys.argv[1])\n"
