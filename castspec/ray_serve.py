@@ -354,7 +354,8 @@ def connect(address: str | None, num_cpus: int | None = None, object_store_mb: i
         return False
     started = not (address or os.environ.get("RAY_ADDRESS"))
     if started:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        # "local": a new cluster of this process's own, never one some other command left running here
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  object_store_memory=object_store_mb * 2 ** 20 if object_store_mb else None)
     else:
         ray.init(address=address)
