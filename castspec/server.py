@@ -21,15 +21,16 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from .config import ConfigError, DecodeConfig
+from .sampling import choice_seed
 from .scheduler import QueueFull, Request as SchedRequest, Scheduler, ShuttingDown
 from .sequence import ContextLengthError, check_request
 from .textstream import TextStream
@@ -39,14 +40,27 @@ log = logging.getLogger("castspec.server")
 INT64 = 2 ** 63
 
 
+def finite_logprob(value: float) -> float:
+    """JSON has no -Infinity: a token outside the processed law's support reports -9999, as vLLM does."""
+    return value if math.isfinite(value) else -9999.0
+
+
 def finite(default: float, **bounds):
     """A float field that must be a finite number (JSON parsers accept NaN and Infinity)."""
     return Field(default=default, allow_inf_nan=False, **bounds)
 
 
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default limit)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]  # json_object / json_schema would need constrained decoding: refused with a clear 400
 
 
 class SamplingFields(BaseModel):
@@ -63,25 +77,57 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    n: StrictInt = Field(default=1, ge=1)  # continuations of the prompt (ServerConfig.max_n)
     user: str | None = None
-    presence_penalty: float = finite(0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = finite(0.0, ge=0.0, le=0.0)
+    # applied to the target's logits at every tree node exactly as at an `ar` step (castspec.sampling)
+    presence_penalty: float = finite(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = finite(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = finite(1.0, gt=0.0, le=10.0)  # extension (vLLM-style)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's API) -> bias in [-100, 100]
+    min_tokens: StrictInt = Field(default=0, ge=0)  # extension: stop tokens are masked until this many are out
+    stop_token_ids: list[StrictInt] | None = None  # extension: more tokens that end the output (and are kept)
+    response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"biases must be finite numbers in [-100, 100], got {bias} for token {key}")
+        return value
 
 
 class CompletionBody(SamplingFields):
     prompt: str | list[StrictInt]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]  # images, audio, files: this server serves a text-only model
+    text: str
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart]
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it: text parts joined with newlines (as vLLM does)."""
+        out = self.model_dump()
+        if isinstance(self.content, list):
+            out["content"] = "\n".join(part.text for part in self.content)
+        return out
 
 
 class ChatBody(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     chat_template_kwargs: dict | None = None  # extension: chat template variables, e.g. {"enable_thinking": false}
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass
@@ -95,6 +141,8 @@ class ServerConfig:
     max_messages: int = 1024  # of the model's context
     max_stop_strings: int = 16
     max_stop_chars: int = 1024  # per stop string
+    max_n: int = 16  # continuations per request
+    logprobs_mode: str = "raw"  # log-probabilities of the target's logits ("raw") or of the sampling law ("processed")
     allow_request_chat_template: bool = False  # run Jinja templates sent in chat_template_kwargs.chat_template
     shutdown_timeout_s: float = 10.0  # in-flight requests get this long after a shutdown signal
     # threads that parse and tokenize requests: bounds the CPU a flood of large prompts takes from decoding, and
@@ -102,9 +150,12 @@ class ServerConfig:
     prepare_threads: int = 2
 
     def __post_init__(self):
-        for name in ("default_max_tokens", "max_body_bytes", "max_messages", "max_stop_chars", "prepare_threads"):
+        for name in ("default_max_tokens", "max_body_bytes", "max_messages", "max_stop_chars", "prepare_threads",
+                     "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.max_stop_strings < 0:
@@ -167,9 +218,13 @@ class Prepared:
     chat: bool
     ids: list[int]
     cfg: DecodeConfig
-    text: TextStream  # detokenizer and stop strings for this request's output
+    stops: list[str]
     stream: bool
     include_usage: bool
+    n: int = 1  # continuations: the first with cfg, the others forked from it with their own seeds
+
+    def choice_configs(self) -> list[DecodeConfig]:
+        return [self.cfg if i == 0 else replace(self.cfg, seed=choice_seed(self.cfg.seed, i)) for i in range(self.n)]
 
 
 class Frontend:
@@ -180,6 +235,7 @@ class Frontend:
         self.engine, self.method, self.config = engine, method, config
         self.context = engine.target.cfg.max_positions
         self._template_vars: dict[str, frozenset[str]] = {}
+        self._token_texts: dict[int, str] = {}
         self.reserved = self._reserved_names()
 
     def _reserved_names(self) -> frozenset[str]:
@@ -202,7 +258,39 @@ class Frontend:
         cfg = self.decode_config(body, ids)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return Prepared(chat, ids, cfg, TextStream(self.engine.tokenizer, stops), body.stream, include_usage)
+        return Prepared(chat, ids, cfg, stops, body.stream, include_usage, body.n)
+
+    def text_stream(self, job: Prepared) -> TextStream:
+        """Detokenizer and stop strings for one continuation of `job`."""
+        return TextStream(self.engine.tokenizer, job.stops)
+
+    def token_text(self, token: int) -> str:
+        """A token as log-probabilities name it: its text (token_id:N for a target without a tokenizer)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            tok = self.engine.tokenizer
+            text = self._token_texts[token] = f"token_id:{token}" if tok is None else tok.decode([token])
+        return text
+
+    def chat_logprobs(self, lps: list) -> dict:
+        """OpenAI's chat `logprobs` object for TokenLogprobs."""
+        def entry(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
+                            for x in lps], "refusal": None}
+
+    def completion_logprobs(self, lps: list, offset: int = 0) -> dict:
+        """OpenAI's legacy completions `logprobs` object; text offsets count from `offset` characters."""
+        tokens = [self.token_text(x.token) for x in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [finite_logprob(x.logprob) for x in lps],
+                "top_logprobs": [{self.token_text(t): finite_logprob(lp) for t, lp in x.top} for x in lps],
+                "text_offset": offsets}
 
     def parse(self, raw: bytes | str | dict, chat: bool) -> CompletionBody | ChatBody:
         """JSON -> the endpoint's body model, with the limits that need no tokenizer (400/404 otherwise)."""
@@ -234,6 +322,13 @@ class Frontend:
 
     def check_limits(self, body, prompt_chars: int) -> None:
         cfg = self.config
+        if body.n > cfg.max_n:
+            raise ApiError(400, f"n: {body.n} continuations; this server makes at most {cfg.max_n} per request (--max-n)")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise ApiError(400, f"response_format: type {body.response_format.type!r} is not supported (castspec "
+                                "does no constrained decoding); use 'text'")
+        if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true")
         if isinstance(body, ChatBody) and len(body.messages) > cfg.max_messages:
             raise ApiError(400, f"{len(body.messages)} messages; this server takes at most {cfg.max_messages} "
                                 "(--max-messages)")
@@ -300,7 +395,7 @@ class Frontend:
     def tokenize(self, body) -> list[int]:
         try:
             if isinstance(body, ChatBody):
-                ids = self.engine.encode(messages=[m.model_dump() for m in body.messages],
+                ids = self.engine.encode(messages=[m.for_template() for m in body.messages],
                                          chat_template_kwargs=self.template_kwargs(body.chat_template_kwargs))
             elif isinstance(body.prompt, list):
                 ids = self.engine.encode(input_ids=body.prompt)
@@ -319,11 +414,27 @@ class Frontend:
     def decode_config(self, body, ids: list[int]) -> DecodeConfig:
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_new = self.config.default_max_tokens if limit is None else limit
+        vocab = self.engine.target.cfg.vocab_size
+        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+        for name, ids_ in (("logit_bias", bias), ("stop_token_ids", body.stop_token_ids or ())):
+            bad = [t for t in ids_ if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"{name}: token id {bad[0]} is outside the vocabulary (size {vocab})")
+        if body.min_tokens > max_new:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_new})")
+        if isinstance(body, ChatBody):
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
         try:
             check_request(ids, max_new, self.context, "max_tokens")
             return DecodeConfig(method=self.method, max_new_tokens=max_new, temperature=body.temperature,
                                 top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                stop_token_ids=self.engine.stop_ids())
+                                stop_token_ids=tuple(sorted({*self.engine.stop_ids(), *(body.stop_token_ids or ())})),
+                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                repetition_penalty=body.repetition_penalty, logit_bias=bias,
+                                min_tokens=body.min_tokens, logprobs=logprobs,
+                                logprobs_mode=self.config.logprobs_mode)
         except (ConfigError, ContextLengthError, ValueError) as e:
             raise ApiError(400, str(e)) from None
 
@@ -337,6 +448,9 @@ class Handle:
 
     def on_tokens(self, tokens: list[int]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ("tokens", list(tokens)))
+
+    def on_logprobs(self, logprobs: list) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("logprobs", logprobs))
 
     def on_done(self, reason: str, error: str | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, ("done", (reason, error)))
@@ -442,52 +556,66 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
             return snap
         return PlainTextResponse(prometheus(snap))
 
-    def submit(job: Prepared, handle: Handle) -> SchedRequest:
+    def submit(job: Prepared, loop: asyncio.AbstractEventLoop) -> list[Choice]:
+        """Admit the request's n continuations (the first reads the prompt, the others fork from it); all or
+        none: a refusal of any of them withdraws the others."""
         inflight.check_open()
+        choices: list[Choice] = []
         try:
-            req = scheduler.submit(SchedRequest(job.ids, job.cfg, handle.on_tokens, handle.on_done))
-        except (ConfigError, ContextLengthError, ValueError) as e:
+            for i, cfg in enumerate(job.choice_configs()):
+                handle = Handle(loop)
+                req = SchedRequest(job.ids, cfg, handle.on_tokens, handle.on_done,
+                                   on_logprobs=handle.on_logprobs if cfg.logprobs is not None else None,
+                                   fork_of=choices[0].req if choices else None)
+                scheduler.submit(req)
+                choices.append(Choice(i, handle, req, frontend.text_stream(job)))
+                inflight.handles[handle] = req
+        except (ConfigError, ContextLengthError, ValueError, QueueFull, ShuttingDown) as e:
+            for c in choices:
+                c.req.cancel()
+                inflight.handles.pop(c.handle, None)
+            if isinstance(e, QueueFull):
+                raise ApiError(429, str(e), "rate_limit_error") from None
+            if isinstance(e, ShuttingDown):
+                raise ApiError(503, str(e), "unavailable_error") from None
             raise ApiError(400, str(e)) from None
-        except QueueFull as e:
-            raise ApiError(429, str(e), "rate_limit_error") from None
-        except ShuttingDown as e:
-            raise ApiError(503, str(e), "unavailable_error") from None
-        inflight.handles[handle] = req
-        return req
+        return choices
 
     async def serve(http: Request, chat: bool):
         inflight.check_open()
         raw = await read_body(http, config.max_body_bytes)
         job = await asyncio.get_running_loop().run_in_executor(preparing, frontend.prepare, raw, chat)
-        handle = Handle(asyncio.get_running_loop())
-        req = submit(job, handle)
+        choices = submit(job, asyncio.get_running_loop())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         meta = {"id": rid, "created": int(time.time()), "model": config.model_name}
         if job.stream:
-            return StreamingResponse(stream_events(handle, req, job, meta, inflight), media_type="text/event-stream")
-        watcher = asyncio.create_task(cancel_on_disconnect(http, req))
+            return StreamingResponse(stream_events(choices, job, meta, frontend, inflight),
+                                     media_type="text/event-stream")
+        watcher = asyncio.create_task(cancel_on_disconnect(http, [c.req for c in choices]))
         try:
-            pieces, reason = [], None
-            async for piece, reason in events(handle, req, job.text):
-                pieces.append(piece)
+            results = await asyncio.gather(*(collect(c) for c in choices))
         finally:
             watcher.cancel()
-            inflight.handles.pop(handle, None)
-        if reason == "shutdown":
-            raise ApiError(503, pieces[-1], "unavailable_error")
-        if reason == "error":
-            raise ApiError(500, f"generation failed: {pieces[-1] if pieces else ''}", "server_error")
-        content = "".join(pieces)
-        n = len(job.ids)
-        usage = {"prompt_tokens": n, "completion_tokens": req.tokens, "total_tokens": n + req.tokens}
-        choice = {"index": 0, "finish_reason": reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-        else:
-            choice.update(text=content, logprobs=None)
-        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": usage, "castspec": {"rounds": req.rounds,
-                                             "mean_committed_per_round": req.tokens / max(req.rounds, 1)}}
+            for c in choices:
+                inflight.handles.pop(c.handle, None)
+        for pieces, _, reason in results:
+            if reason == "shutdown":
+                raise ApiError(503, pieces[-1], "unavailable_error")
+            if reason == "error":
+                raise ApiError(500, f"generation failed: {pieces[-1] if pieces else ''}", "server_error")
+        out = []
+        for c, (pieces, lps, reason) in zip(choices, results):
+            content = "".join(pieces)
+            choice = {"index": c.index, "finish_reason": reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": content}
+                choice["logprobs"] = frontend.chat_logprobs(lps) if job.cfg.logprobs is not None else None
+            else:
+                choice.update(text=content, logprobs=frontend.completion_logprobs(lps)
+                              if job.cfg.logprobs is not None else None)
+            out.append(choice)
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out,
+                "usage": usage(job, choices), "castspec": castspec_stats(choices)}
 
     @app.post("/v1/completions")
     async def completions(http: Request):
@@ -500,71 +628,123 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
     return app
 
 
+@dataclass(eq=False)
+class Choice:
+    """One continuation of a request: its scheduler request, the handle it reports through, its text."""
+
+    index: int
+    handle: Handle
+    req: SchedRequest
+    text: TextStream
+
+
+def usage(job: Prepared, choices: list[Choice]) -> dict:
+    """OpenAI's usage: the prompt counted once, every continuation's tokens."""
+    n, out = len(job.ids), sum(c.req.tokens for c in choices)
+    return {"prompt_tokens": n, "completion_tokens": out, "total_tokens": n + out}
+
+
+def castspec_stats(choices: list[Choice]) -> dict:
+    rounds, tokens = sum(c.req.rounds for c in choices), sum(c.req.tokens for c in choices)
+    return {"rounds": rounds, "mean_committed_per_round": tokens / max(rounds, 1)}
+
+
+async def collect(choice: Choice) -> tuple[list[str], list, str | None]:
+    """A whole continuation: (text pieces, TokenLogprobs, finish reason)."""
+    pieces, lps, reason = [], [], None
+    async for piece, reason, lp in events(choice.handle, choice.req, choice.text):
+        pieces.append(piece)
+        lps.extend(lp)
+    return pieces, lps, reason
+
+
 async def events(handle: Handle, req: SchedRequest, text: TextStream):
-    """Yield (text delta, None) while tokens arrive, then ("", finish reason); errors yield (message, "error"),
-    a shutdown (message, "shutdown")."""
+    """Yield (text delta, None, log-probabilities of the tokens behind it) while tokens arrive, then
+    ("", finish reason, []); errors yield (message, "error", []), a shutdown (message, "shutdown", [])."""
+    pending: list = []  # log-probabilities of the next chunk of tokens (they arrive just before it)
     while True:
         kind, payload = await handle.queue.get()
-        if kind == "tokens":
-            delta = text.add(payload)
+        if kind == "logprobs":
+            pending = payload
+        elif kind == "tokens":
+            delta, lps, pending = text.add(payload), pending, []
             if text.stopped:
                 req.finish("stop")
-                yield delta, None
-                yield "", "stop"
+                yield delta, None, lps
+                yield "", "stop", []
                 return
-            if delta:
-                yield delta, None
+            if delta or lps:
+                yield delta, None, lps
         else:
             reason, error = payload
             if reason in ("error", "shutdown"):
-                yield error or "", reason
+                yield error or "", reason, []
                 return
-            yield text.add([], final=True), None
-            yield "", reason
+            yield text.add([], final=True), None, []
+            yield "", reason, []
             return
 
 
-async def cancel_on_disconnect(http: Request, req: SchedRequest) -> None:
+async def cancel_on_disconnect(http: Request, reqs: list[SchedRequest]) -> None:
     while True:
         if await http.is_disconnected():
-            req.cancel()
+            for req in reqs:
+                req.cancel()
             return
         await asyncio.sleep(0.1)
 
 
-async def stream_events(handle: Handle, req: SchedRequest, job: Prepared, meta: dict, inflight: InFlight):
+async def stream_events(choices: list[Choice], job: Prepared, meta: dict, frontend: Frontend, inflight: InFlight):
+    """SSE chunks of every continuation as they come (each chunk names its choice's index)."""
     chat = job.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
+    offsets = [0] * len(choices)  # characters sent per choice (completions' text_offset)
 
-    def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
+    def chunk(i: int, delta: str | None, reason: str | None, lps: list, role: bool = False) -> str:
+        logprobs = None
+        if job.cfg.logprobs is not None and lps:
+            logprobs = frontend.chat_logprobs(lps) if chat else frontend.completion_logprobs(lps, offsets[i])
         if chat:
             d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
-            choice = {"index": 0, "delta": d, "finish_reason": reason}
+            choice = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
+            offsets[i] += len(delta or "")
         return "data: " + json.dumps({**meta, "object": obj, "choices": [choice]}) + "\n\n"
 
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        async for item in events(c.handle, c.req, c.text):
+            await merged.put((c.index, *item))
+
+    pumps = [asyncio.create_task(pump(c)) for c in choices]
     try:
         if chat:
-            yield chunk(None, None, role=True)
-        async for delta, reason in events(handle, req, job.text):
+            for c in choices:
+                yield chunk(c.index, None, None, [], role=True)
+        finished = 0
+        while finished < len(choices):
+            i, delta, reason, lps = await merged.get()
             if reason in ("error", "shutdown"):
                 err = (error_body(503, delta, "unavailable_error") if reason == "shutdown" else
                        error_body(500, f"generation failed: {delta}", "server_error"))
                 yield "data: " + json.dumps(err) + "\n\n"
                 break
             if reason is not None:
-                yield chunk(None if chat else "", reason)
-            elif delta:
-                yield chunk(delta, None)
+                finished += 1
+                yield chunk(i, None if chat else "", reason, lps)
+            elif delta or lps:
+                yield chunk(i, delta, None, lps)
         if job.include_usage:
-            n = len(job.ids)
-            usage = {"prompt_tokens": n, "completion_tokens": req.tokens, "total_tokens": n + req.tokens}
-            yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": usage}) + "\n\n"
+            yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": usage(job, choices)}) + "\n\n"
         yield "data: [DONE]\n\n"
-    finally:  # the client went away (or we are done): free the request's slot at the next round
-        inflight.handles.pop(handle, None)
-        req.cancel()
+    finally:  # the client went away (or we are done): free the requests' slots at the next round
+        for task in pumps:
+            task.cancel()
+        for c in choices:
+            inflight.handles.pop(c.handle, None)
+            c.req.cancel()
 
 
 class GracefulServer(uvicorn.Server):
