@@ -24,7 +24,8 @@ def server_config(args):
                             max_messages=args.max_messages, max_stop_strings=args.max_stop_strings,
                             max_stop_chars=args.max_stop_chars,
                             allow_request_chat_template=args.allow_request_chat_template,
-                            shutdown_timeout_s=args.shutdown_timeout, prepare_threads=args.prepare_threads)
+                            shutdown_timeout_s=args.shutdown_timeout, prepare_threads=args.prepare_threads,
+                            max_n=args.max_n, logprobs_mode=args.logprobs_mode)
     except ValueError as e:
         raise UserError(f"{e} (see castspec serve --help)") from None
 
@@ -76,6 +77,10 @@ def add_limit_args(p) -> None:
     p.add_argument("--max-messages", type=int, default=d.max_messages, help="messages per chat request")
     p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
     p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
+    p.add_argument("--max-n", type=int, default=d.max_n, help="continuations per request (n)")
+    p.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=("raw", "processed"),
+                   help="log-probabilities from the target's logits (raw, default) or from the law tokens are drawn "
+                        "from after penalties, temperature, top-k and top-p (processed)")
     p.add_argument("--allow-request-chat-template", action="store_true",
                    help="render Jinja chat templates sent by clients in chat_template_kwargs.chat_template "
                         "(refused by default: a template is code, and its rendering time is not bounded)")
