@@ -478,6 +478,8 @@ def cmd_loadtest(args) -> int:
     random.Random(0).shuffle(messages)
     if args.soak:
         return cmd_soak(args, messages, out)
+    if args.tax:
+        return cmd_tax(args, messages, out)
     args.requests = args.requests or 16
     try:
         levels = [int(x) for x in (args.concurrency or "1,4,8,16").split(",")]
@@ -518,6 +520,25 @@ def cmd_loadtest(args) -> int:
     return 0
 
 
+def cmd_tax(args, messages: list[list[dict]], out: Path) -> int:
+    """--tax: the server's per-token cost over the engine it wraps, at concurrency 1 (castspec/bench/tax.py)."""
+    from .bench.tax import measure_tax
+    from .cli import UserError, load_engine
+
+    engine = load_engine(args)
+    prompts = [engine.encode(messages=m) for m in messages[:args.requests or 6]]
+    report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": []}
+    for spec in [s.strip() for s in (args.policies or "ar").split(",") if s.strip()]:
+        method, policy, width = parse_spec(spec)
+        if method != "ar" and engine.drafter is None:
+            raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
+        res = measure_tax(engine, prompts, method, args.max_tokens, policy, width, args.repeats)
+        report["results"].append({"policy": spec, **res})
+        print(json.dumps({"policy": spec, **res["summary"]}))
+    (out / "tax.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def register(sub) -> None:
     from .cli import add_model_args
 
@@ -539,6 +560,11 @@ def register(sub) -> None:
     p.add_argument("--prefill-budget", type=int, default=512)
     p.add_argument("--url", default=None, help="load an already running server on this machine instead")
     p.add_argument("--out", default="runs/loadtest")
+    t = p.add_argument_group("serving tax (--tax)")
+    t.add_argument("--tax", action="store_true",
+                   help="at concurrency 1: engine.generate vs the scheduler in-process vs streamed HTTP on the same "
+                        "prompts (decode ms/token, time to first token); --requests prompts (default 6)")
+    t.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     s = p.add_argument_group("soak (--soak)")
     s.add_argument("--soak", action="store_true",
                    help="one long mixed load against a `castspec serve` process on 127.0.0.1: errors, p50/p99, "
