@@ -1,5 +1,6 @@
 """Loading targets (HF dir, GGUF, default) and drafters, with compatibility checks."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +98,106 @@ def test_default_gguf_target_matches_transformers():
         assert ours == ref[:len(ours)] and len(ours) >= 1
     chat = engine.generate(messages=[{"role": "user", "content": "Say hi."}], method="ar", max_new_tokens=8)
     assert chat.text
+
+
+def write_tiny_gguf(path, seed=0) -> None:
+    """A 2-layer llama GGUF (fp32 tensors) with a small byte-level BPE tokenizer, written with the gguf package."""
+    import gguf
+    import numpy as np
+
+    tokens = ["<|endoftext|>", *"abcdefghij", "Ġ", "Ġa", "ab"]
+    V, H, F, L, NH, NKV = len(tokens), 32, 64, 2, 4, 2
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_context_length(128)
+    w.add_embedding_length(H)
+    w.add_block_count(L)
+    w.add_feed_forward_length(F)
+    w.add_head_count(NH)
+    w.add_head_count_kv(NKV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(V)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] + [1] * (V - 1))  # 3: control
+    w.add_token_merges(["Ġ a", "a b"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    shapes = {"token_embd.weight": (V, H), "output.weight": (V, H), "output_norm.weight": (H,)}
+    for i in range(L):
+        hd = H // NH
+        shapes.update({f"blk.{i}.attn_norm.weight": (H,), f"blk.{i}.ffn_norm.weight": (H,),
+                       f"blk.{i}.attn_q.weight": (H, H), f"blk.{i}.attn_k.weight": (NKV * hd, H),
+                       f"blk.{i}.attn_v.weight": (NKV * hd, H), f"blk.{i}.attn_output.weight": (H, H),
+                       f"blk.{i}.ffn_gate.weight": (F, H), f"blk.{i}.ffn_up.weight": (F, H),
+                       f"blk.{i}.ffn_down.weight": (H, F)})
+    for name, shape in shapes.items():
+        values = np.ones(shape) if len(shape) == 1 else rng.standard_normal(shape) * 0.2
+        w.add_tensor(name, values.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# Converts the GGUF in argv[2] in one of two roles that force the interleaving of two processes starting at once:
+# A reaches its weights write and waits there while B converts the same file and publishes it.
+CONVERT_IN_STEP = """
+import sys, time
+from pathlib import Path
+import safetensors.torch
+
+role, gguf, sync = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+
+def wait_for(name):
+    deadline = time.monotonic() + 120
+    while not (sync / name).exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"{role}: timed out waiting for {name}")
+        time.sleep(0.05)
+
+real_save_file = safetensors.torch.save_file
+
+def save_file(*args, **kw):
+    if role == "A":
+        (sync / "A-writing").touch()
+        wait_for("B-done")
+    else:
+        wait_for("A-writing")
+    return real_save_file(*args, **kw)
+
+safetensors.torch.save_file = save_file
+from castspec.models.load import gguf_to_hf_dir
+
+out = gguf_to_hf_dir(gguf)
+(sync / f"{role}-done").touch()
+print(out)
+"""
+
+
+def test_two_processes_converting_the_same_gguf_at_once(tmp_path):
+    """Both processes succeed with the same complete conversion, and no temporary directory is left behind."""
+    import os
+    import subprocess
+    import sys
+
+    from castspec.models.load import is_converted
+
+    gguf_path, sync, cache = tmp_path / "tiny.gguf", tmp_path / "sync", tmp_path / "cache"
+    write_tiny_gguf(gguf_path)
+    sync.mkdir()
+    env = {**os.environ, "CASTSPEC_CACHE": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-c", CONVERT_IN_STEP, role, str(gguf_path), str(sync)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for role in "AB"]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err.strip().splitlines()[-1:]
+    outs = {out.strip() for out, _ in results}
+    assert len(outs) == 1
+    converted = next(iter(outs))
+    assert is_converted(Path(converted)) and os.listdir(cache / "gguf") == [Path(converted).name]
+    engine = castspec.load(target=converted, dtype="fp32")
+    assert engine.tokenizer.encode("ab a") == [13, 12]  # the merges made it through: "ab", "Ġa"
+    assert len(engine.generate(prompt="ab a", method="ar", max_new_tokens=4).token_ids) >= 1

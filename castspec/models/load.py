@@ -8,6 +8,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +55,33 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if is_converted(out):
         return out
+    hf, tok = read_gguf(gguf)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Each process writes into a directory of its own and renames it into place whole, so processes converting
+    # the same file at once do not write into each other's files, and `out` is never seen half written.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        write_hf_dir(hf, tok, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # `out` appeared meanwhile: another process's whole conversion got there first
+            if not is_converted(out):
+                raise LoadError(f"{out} is an incomplete conversion of {gguf}: delete it and retry") from None
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def is_converted(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def read_gguf(gguf: Path):
+    """The GGUF's model (dequantized to fp32) and tokenizer, through transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -62,21 +89,20 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:  # transformers raises many kinds for a bad file
         raise LoadError(f"cannot read GGUF {gguf}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return hf, tok
+
+
+def write_hf_dir(hf, tok, path: Path) -> None:
     from safetensors.torch import save_file
 
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
     config = hf.config.to_dict()
     config.pop("quantization_config", None)  # the weights we write are dequantized fp32
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if hf.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    tok.save_pretrained(tmp)
-    if not out.exists():  # another process may have converted it meanwhile
-        tmp.rename(out)
-    return out
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    tok.save_pretrained(path)
 
 
 def resolve_target_dir(ref: str | os.PathLike | None) -> Path:
