@@ -1,16 +1,31 @@
 """Tiny random models in the real layouts: HF Llama/Qwen3 targets and DFlash-layout drafters."""
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+import os
+import shutil
+import tempfile
 
-from castspec.config import DrafterConfig
-from castspec.models.dflash import DFlashDrafter
-from castspec.models.load import build_target
+# Hermetic runs: each test session gets its own empty cache (cost profiles, native builds, dequantized GGUFs),
+# removed at the end, instead of writing into the user's ~/.cache/castspec or reusing what an earlier run left
+# there. Set before castspec is imported, so that nothing can read the cache directory first; subprocesses that
+# tests start inherit it.
+TEST_CACHE = tempfile.mkdtemp(prefix="castspec-test-cache-")
+os.environ["CASTSPEC_CACHE"] = TEST_CACHE
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from castspec.config import DrafterConfig  # noqa: E402
+from castspec.models.dflash import DFlashDrafter  # noqa: E402
+from castspec.models.load import build_target  # noqa: E402
 
 # Tiny models: one thread is faster (no fork/join per op) and keeps the suite steady on a loaded machine.
 torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 def pytest_addoption(parser):

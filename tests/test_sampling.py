@@ -64,6 +64,7 @@ NODE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(NODE_CASES))
 def test_single_node_verifier_law(case):
     tokens, zero_q, zero_mu = NODE_CASES[case]
@@ -166,6 +167,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_sampled_decoding_preserves_the_target_law(law_setup, cfg):
     target, drafter = law_setup
