@@ -77,6 +77,8 @@ def measure_tax(engine, prompts: list[list[int]], method: str = "ar", max_tokens
     from ..loadtest import LiveServer
 
     engine_width = "auto" if policy == "cost" else width
+    if engine.tokenizer is None:
+        raise ValueError("the serving tax is timed on streamed text: the target needs a tokenizer")
 
     cfg = SchedulerConfig(max_batch=1, policy=policy, width=width)
     decode_cfg = DecodeConfig(method=method, max_new_tokens=max_tokens, temperature=0.0,
