@@ -122,3 +122,41 @@ def measure_tax(engine, prompts: list[list[int]], method: str = "ar", max_tokens
     summary["server_first_minus_scheduler_first_ms"] = statistics.median(
         r["server"]["first_ms"] - r["scheduler"]["first_ms"] for r in rows)
     return {"method": method, "policy": policy, "max_tokens": max_tokens, "summary": summary, "rows": rows}
+
+
+def small_engine():
+    """A random Llama of a few ms per step (6 layers, 256 wide, 4,096-token word-level vocabulary): the server's
+    fixed per-token costs show against a step this short."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from ..engine import Engine
+    from ..models.load import build_target
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=None, bos_token_id=None)
+    hf = LlamaForCausalLM(cfg).eval()
+    words = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Engine(build_target(cfg, hf.state_dict(), torch.float32, hf.device),
+                  PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0"), None)
+
+
+if __name__ == "__main__":  # python -m castspec.bench.tax [--out FILE]: the small model, ar, 4 prompts x 2
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description="serving tax on a small random model (castspec loadtest --tax for "
+                                            "real models)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    engine = small_engine()
+    prompts = [[(i * 37 + j) % 4000 + 3 for j in range(20 + 5 * i)] for i in range(4)]
+    report = measure_tax(engine, prompts, "ar", max_tokens=64, policy="fixed", width=0, repeats=2)
+    print(json.dumps(report["summary"], indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
