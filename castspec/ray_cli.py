@@ -10,19 +10,10 @@ import threading
 
 
 def cmd_serve_ray(args) -> int:
-    from .allocate import POLICIES
     from .cli import UserError, load_engine
-    from .config import METHODS
-    from .serve_cli import scheduler_config, server_config
+    from .serve_cli import serving_configs
 
-    if args.method not in METHODS:
-        raise UserError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
-    if args.policy not in POLICIES:
-        raise UserError(f"unknown policy {args.policy!r}; choose one of {', '.join(POLICIES)}")
-    if not 0 < args.port < 65536:
-        raise UserError(f"--port must be in 1..65535, got {args.port}")
-    sched = scheduler_config(args)
-    server_cfg = server_config(args)
+    sched, server_cfg = serving_configs(args)
     try:
         from . import ray_serve
     except ImportError as e:

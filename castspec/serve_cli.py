@@ -30,11 +30,12 @@ def server_config(args):
         raise UserError(f"{e} (see castspec serve --help)") from None
 
 
-def cmd_serve(args) -> int:
+def serving_configs(args):
+    """The method, policy and port checks shared by `serve` and `serve-ray`, then (SchedulerConfig,
+    ServerConfig), all before any model loads."""
     from .allocate import POLICIES
-    from .cli import UserError, load_engine
+    from .cli import UserError
     from .config import METHODS
-    from .server import create_app, run_server
 
     if args.method not in METHODS:
         raise UserError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
@@ -42,8 +43,14 @@ def cmd_serve(args) -> int:
         raise UserError(f"unknown policy {args.policy!r}; choose one of {', '.join(POLICIES)}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
-    cfg = scheduler_config(args)
-    server_cfg = server_config(args)
+    return scheduler_config(args), server_config(args)
+
+
+def cmd_serve(args) -> int:
+    from .cli import UserError, load_engine
+    from .server import create_app, run_server
+
+    cfg, server_cfg = serving_configs(args)
     engine = load_engine(args)
     if args.method != "ar" and engine.drafter is None:
         raise UserError(f"method {args.method!r} needs a drafter: pass --drafter (or --method ar)")
