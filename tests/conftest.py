@@ -5,11 +5,22 @@ import os
 import shutil
 import tempfile
 
-# Hermetic runs: each test session gets its own empty cache (cost profiles, native builds, dequantized GGUFs),
-# removed at the end, instead of writing into the user's ~/.cache/castspec or reusing what an earlier run left
-# there. Set before castspec is imported, so that nothing can read the cache directory first; subprocesses that
-# tests start inherit it.
-TEST_CACHE = tempfile.mkdtemp(prefix="castspec-test-cache-")
+
+def session_cache() -> tuple[str, bool]:
+    """Hermetic runs: each test session gets its own empty cache (cost profiles, native builds, dequantized
+    GGUFs), removed at the end, instead of writing into the user's ~/.cache/castspec or reusing what an earlier
+    run left there. Processes that tests start inherit it; one that imports this module again (a Ray worker
+    unpickling a test's objects, a nested pytest) shares the session's directory and does not own it."""
+    inherited = os.environ.get("CASTSPEC_TEST_SESSION_CACHE")
+    if inherited:
+        return inherited, False
+    path = tempfile.mkdtemp(prefix="castspec-test-cache-")
+    os.environ["CASTSPEC_TEST_SESSION_CACHE"] = path
+    return path, True
+
+
+# set before castspec is imported, so that nothing can read the cache directory first
+TEST_CACHE, OWNS_TEST_CACHE = session_cache()
 os.environ["CASTSPEC_CACHE"] = TEST_CACHE
 
 import pytest  # noqa: E402
@@ -25,7 +36,8 @@ torch.set_num_threads(1)
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(TEST_CACHE, ignore_errors=True)
+    if OWNS_TEST_CACHE:
+        shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 def pytest_addoption(parser):

@@ -29,6 +29,15 @@ def test_subprocesses_use_the_session_cache():
     assert out.stdout.strip() == TEST_CACHE == os.environ["CASTSPEC_CACHE"]
 
 
+def test_a_process_that_imports_conftest_again_shares_the_session_cache():
+    """A Ray worker or nested pytest imports conftest afresh: it must neither make (and leak) a directory of its
+    own nor own, and so remove, the session's."""
+    code = "import conftest; print(conftest.TEST_CACHE, conftest.OWNS_TEST_CACHE)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == [TEST_CACHE, "False"]
+
+
 def collected(*args: str) -> set[str]:
     """Test ids pytest collects from test_sampling.py with `args` (the project's addopts apply, as in make test)."""
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "--strict-markers", *args,
