@@ -52,7 +52,7 @@ class LogitProcessor:
     def adjusted(self, logits: torch.Tensor, history: "History | None" = None) -> torch.Tensor:
         """float64 CPU logits after bias, the min_tokens mask and the penalties (the tokens before this node
         are `history`'s)."""
-        x = logits.detach().to("cpu", torch.float64).clone()
+        x = logits.detach().to("cpu", torch.float64, copy=True)  # one copy, whatever the input's dtype
         if not self.adjusts:
             return x
         if self.logit_bias:

@@ -269,13 +269,12 @@ class Scheduler:
                     self._finish(r, "cancelled")
                     continue
                 source = r.fork_of
-                if source is not None and source.finish_reason is None and (
-                        source.seq is None or source.seq.prompt_logits is None):
+                prefilled = source is not None and source.seq is not None and source.seq.prompt_logits is not None
+                if source is not None and source.finish_reason is None and not prefilled:
                     later.append(r)
                     continue
                 try:
-                    if source is not None and source.seq is not None and source.seq.prompt_logits is not None \
-                            and source.seq.emitted == 1:
+                    if prefilled and source.seq.emitted == 1:
                         r.seq, first = source.seq.fork(r.cfg, self.max_nodes)
                         forked.append((r, first))
                     else:
