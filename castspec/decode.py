@@ -10,10 +10,10 @@ from typing import Iterator
 import torch
 
 from .allocate import Chain, CostAware, FixedWidth, Policy
-from .batch import run_round, synchronize
 from .config import DecodeConfig
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
+from .round import run_round, synchronize
 from .sequence import ContextLengthError, Sequence  # noqa: F401  (re-exported: the public error type)
 
 

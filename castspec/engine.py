@@ -10,9 +10,10 @@ import torch
 from .config import DecodeConfig
 from .cost import Calibration, CostProfile, RoundWidth, profile_path
 from .decode import DecodeStats, decode
+from .env import cache_dir
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
-from .models.load import LoadError, cache_dir, load_drafter, load_target
+from .models.load import LoadError, load_drafter, load_target
 from .sampling import TokenLogprob
 from .tree import universe_size
 
@@ -115,7 +116,7 @@ class Engine:
 
     def scheduler(self, cfg=None, method: str = "cast"):
         """A continuous-batching scheduler over this engine's models (the cost policy uses the cost profile)."""
-        from .scheduler import Scheduler, SchedulerConfig
+        from .serving.scheduler import Scheduler, SchedulerConfig
 
         cfg = cfg or SchedulerConfig()
         rule = None

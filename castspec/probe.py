@@ -10,14 +10,14 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from .cost import CostProfile, profile_key
-from . import native
-from .models import native_step
-from .kernels import packing_available
-from .batch import run_round, synchronize
 from .config import DecodeConfig
-from .sequence import Sequence, propose_batch
+from .cost import CostProfile, profile_key
+from .native import build as native
+from .native import forward as native_step
+from .native.linear import packing_available
 from .pack import pack_tree
+from .round import run_round, synchronize
+from .sequence import Sequence, propose_batch
 from .tree import build_tree
 from .verify import greedy_walk
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .cache import Segment
 from .config import DecodeConfig
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter, DraftSegment
+from .models.kvcache import Segment
 from .pack import Pack, pack_tree
 from .sampling import History, LogitProcessor, Sampler, TokenLogprob, token_logprob
 from .tree import Tree
@@ -233,4 +233,3 @@ class Sequence:
         if self.sampler is not None:
             self.sampler.forget_before(self.emitted)
         return new
-

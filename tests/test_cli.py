@@ -71,13 +71,13 @@ def test_bad_input_is_one_line_without_traceback(dirs, capsys, args, message):
 
 
 def test_help_for_every_subcommand():
-    out = subprocess.run([sys.executable, "-m", "castspec.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "castspec", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "generate" in out.stdout
     commands = ["generate", "demo", "bench", "probe", "make-data", "train-drafter", "eval-drafter", "serve",
                 "loadtest"]
     assert all(c in out.stdout for c in commands)
     for cmd in commands:
-        sub = subprocess.run([sys.executable, "-m", "castspec.cli", cmd, "--help"], capture_output=True, text=True)
+        sub = subprocess.run([sys.executable, "-m", "castspec", cmd, "--help"], capture_output=True, text=True)
         assert sub.returncode == 0 and "usage:" in sub.stdout
 
 

@@ -4,7 +4,7 @@ import torch
 
 from castspec.config import DecodeConfig
 from castspec.allocate import Policy
-from castspec.batch import run_round
+from castspec.round import run_round
 from castspec.decode import ContextLengthError, DecodeStats, decode
 from castspec.sequence import Sequence
 from castspec.engine import Engine

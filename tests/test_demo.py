@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from castspec.cli import main
-from castspec.demo import ExactnessError, first_difference, run_demo
+from castspec.cli.demo import ExactnessError, first_difference, run_demo
 from castspec.engine import Engine
 from castspec.models.load import save_drafter
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer

@@ -34,7 +34,7 @@ def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProce
     # gloo's sockets on loopback; the launcher's rendezvous store at 127.0.0.1
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "castspec.cli", "-v"] + args
+           "--master-port", str(free_port()), "-m", "castspec", "-v"] + args
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -69,7 +69,7 @@ def test_make_data_workers_write_the_single_process_dataset(ddp_run, target_dir)
     root, _ = ddp_run
     # a fresh process, as each rank is: training_prompts() lists the attributes of stdlib modules, which depend on
     # what the process has imported (a pytest process has imported far more)
-    cmd = [sys.executable, "-m", "castspec.cli", "make-data", "--out", str(root / "data1"), "--target", str(target_dir)]
+    cmd = [sys.executable, "-m", "castspec", "make-data", "--out", str(root / "data1"), "--target", str(target_dir)]
     subprocess.run(cmd + DATA_ARGS, check=True, capture_output=True, timeout=240)
     one, two = shards(root / "data1"), shards(root / "data2")
     assert len(one) == 6 and one == two

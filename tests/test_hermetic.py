@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from castspec.cost import CostProfile, profile_key, profile_path
-from castspec.models.load import cache_dir
+from castspec.env import cache_dir
 from conftest import TEST_CACHE
 
 ROOT = Path(__file__).resolve().parent.parent

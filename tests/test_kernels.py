@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from castspec import native
-from castspec.kernels import WeightPack, linear, packing_available
+from castspec.native import build as native
+from castspec.native.linear import WeightPack, linear, packing_available
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,10 +5,10 @@ import logging
 import pytest
 import torch
 
-from castspec import native
-from castspec.cache import Segment
-from castspec.models import native_step
-from castspec.models.native_step import NativeDraft, NativeStep
+from castspec.native import build as native
+from castspec.models.kvcache import Segment
+from castspec.native import forward as native_step
+from castspec.native.forward import NativeDraft, NativeStep
 from castspec.pack import pack_tree
 from castspec.tree import build_tree
 from castspec.sequence import DraftState, propose_batch

@@ -9,10 +9,11 @@ import pytest
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.engine import Engine
-from castspec.loadtest import LiveServer
+from castspec.serving.live import LiveServer
 from castspec.sampling import choice_seed
-from castspec.scheduler import SchedulerConfig
-from castspec.server import ServerConfig, create_app
+from castspec.serving.scheduler import SchedulerConfig
+from castspec.serving.frontend import ServerConfig
+from castspec.serving.server import create_app
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
 MSGS = [{"role": "user", "content": "w3 w4 w5 w6"}]

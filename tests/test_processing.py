@@ -10,7 +10,7 @@ from castspec.config import ConfigError, DecodeConfig
 from castspec.cost import CostProfile, RoundWidth
 from castspec.decode import decode
 from castspec.sampling import History, LogitProcessor, choice_seed
-from castspec.scheduler import Request, Scheduler, SchedulerConfig
+from castspec.serving.scheduler import Request, Scheduler, SchedulerConfig
 from conftest import llama_config, make_hf, native, qwen3_config, random_drafter
 
 V = 24

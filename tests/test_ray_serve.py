@@ -16,10 +16,11 @@ import pytest
 pytest.importorskip("ray.serve", reason="the Ray tests need castspec[ray] (make test installs it)")
 
 from castspec import load  # noqa: E402
-from castspec.loadtest import LiveServer  # noqa: E402
-from castspec.ray_serve import commits, merge_snapshots  # noqa: E402
-from castspec.scheduler import SchedulerConfig  # noqa: E402
-from castspec.server import ServerConfig, create_app  # noqa: E402
+from castspec.serving.live import LiveServer  # noqa: E402
+from castspec.serving.ray_serve import commits, merge_snapshots  # noqa: E402
+from castspec.serving.scheduler import SchedulerConfig  # noqa: E402
+from castspec.serving.frontend import ServerConfig
+from castspec.serving.server import create_app  # noqa: E402
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer  # noqa: E402
 
 SERVE_ARGS = ["--dtype", "fp32", "--policy", "shared", "--width", "16", "--max-batch", "4"]

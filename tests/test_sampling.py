@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.sampling import History, LogitProcessor, Sampler, choice_seed
-from castspec.scheduler import Request, Scheduler, SchedulerConfig
+from castspec.serving.scheduler import Request, Scheduler, SchedulerConfig
 from castspec.verify import rrs_node
 from conftest import llama_config, make_hf, native, random_drafter
 

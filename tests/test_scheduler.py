@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from castspec.allocate import CostAware, SharedBudget, UniformSplit, make_policy
-from castspec.batch import run_round
+from castspec.round import run_round
 from castspec.config import DecodeConfig
 from castspec.cost import CostProfile, RoundWidth
 from castspec.decode import decode
-from castspec.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
+from castspec.serving.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from castspec.sequence import Sequence
 from castspec.tree import build_forest, build_tree
 from conftest import llama_config, make_hf, native, qwen3_config, random_drafter

@@ -11,9 +11,12 @@ from fastapi.testclient import TestClient
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.engine import Engine
-from castspec.loadtest import LiveServer, parse_spec, run_load, summarize
-from castspec.scheduler import Request, SchedulerConfig
-from castspec.server import ServerConfig, TextStream, create_app
+from castspec.serving.live import LiveServer
+from castspec.cli.loadtest import parse_spec
+from castspec.serving.loadtest import run_load, summarize
+from castspec.serving.scheduler import Request, SchedulerConfig
+from castspec.serving.frontend import ServerConfig
+from castspec.serving.server import TextStream, create_app
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
 

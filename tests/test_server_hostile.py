@@ -12,10 +12,11 @@ import pytest
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.engine import Engine
-from castspec.loadtest import LiveServer
-from castspec.scheduler import Request, Scheduler, SchedulerConfig
-from castspec.server import ServerConfig, create_app
-from castspec.textstream import Detokenizer, StopMatcher, TextStream
+from castspec.serving.live import LiveServer
+from castspec.serving.scheduler import Request, Scheduler, SchedulerConfig
+from castspec.serving.frontend import ServerConfig
+from castspec.serving.server import create_app
+from castspec.serving.textstream import Detokenizer, StopMatcher, TextStream
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
 HEALTH_S = 1.0  # the longest /health may take while a bad request is being handled

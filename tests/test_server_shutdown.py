@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from castspec.loadtest import free_port
+from castspec.serving.live import free_port
 from conftest import llama_config, make_hf, tiny_tokenizer
 
 LONG = 20_000  # tokens a request asks for: far more than the tiny model makes before the deadline

@@ -5,11 +5,10 @@ import torch
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.models.load import load_drafter
-from castspec.train.blocks import (block_inputs, block_mask, chain_acceptance, parse_window_schedule,
-                                   window_at)
+from castspec.train.blocks import block_inputs, block_mask, chain_acceptance, parse_window_schedule, window_at
 from castspec.train.datagen import batched_generate
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
-                                    init_drafter, sequence_loss, train)
+    init_drafter, sequence_loss, train)
 from conftest import llama_config, make_hf, native
 
 

@@ -19,7 +19,7 @@ from statistics import mean, median
 
 import torch
 
-from castspec.batch import synchronize
+from ..round import synchronize
 
 PROMPTS = ["Write a Python function that merges two sorted lists.",
            "Explain how vaccines train the immune system.",
@@ -56,8 +56,8 @@ def gemv_ms(target, repeats: int = 6) -> dict:
     multiply-and-sum; elsewhere `torch` is F.linear. `best` takes the fastest kernel for every matrix."""
     import torch.nn.functional as F
 
-    from castspec import native
-    from castspec.kernels import WeightPack, _compiled_rowdot, packed_linear, packing_available
+    from ..native import build as native
+    from ..native.linear import WeightPack, _compiled_rowdot, packed_linear, packing_available
 
     # the matrices the forward multiplies: fused q|k|v and gate|up, o_proj, down_proj, the lm_head
     mats = [w for layer in target.model.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM
 
     import castspec
-    from castspec.models.load import resolve_target_dir
+    from ..models.load import resolve_target_dir
 
     device = torch.device(args.device)
     hf_dir = resolve_target_dir(args.target)
@@ -177,8 +177,8 @@ def main(argv=None) -> int:
         if engine.drafter is None:
             from transformers import AutoConfig
 
-            from castspec.models.load import rope_parameters_of
-            from castspec.train.trainer import TrainConfig, drafter_config_for, init_drafter
+            from ..models.load import rope_parameters_of
+            from ..train.trainer import TrainConfig, drafter_config_for, init_drafter
 
             rope = rope_parameters_of(AutoConfig.from_pretrained(hf_dir))
             dcfg = drafter_config_for(engine.target, TrainConfig(), rope)

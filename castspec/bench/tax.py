@@ -18,8 +18,9 @@ import time
 import httpx
 
 from ..config import DecodeConfig
-from ..scheduler import Request, SchedulerConfig
-from ..server import ServerConfig, create_app
+from ..serving.frontend import ServerConfig
+from ..serving.scheduler import Request, SchedulerConfig
+from ..serving.server import create_app
 
 
 def engine_run(engine, ids: list[int], method: str, max_tokens: int, width) -> dict:
@@ -74,7 +75,7 @@ def measure_tax(engine, prompts: list[list[int]], method: str = "ar", max_tokens
                 width: int = 15, repeats: int = 1) -> dict:
     """Per prompt and repeat: engine, in-process scheduler and HTTP server, interleaved; medians and ratios.
     The engine decodes with the width the policy gives one request: the cost rule ("auto") or `width`."""
-    from ..loadtest import LiveServer
+    from ..serving.live import LiveServer
 
     engine_width = "auto" if policy == "cost" else width
     if engine.tokenizer is None:

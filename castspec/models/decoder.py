@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..cache import KVCache, Segment, cache_dtype
 from ..config import TargetConfig
-from ..kernels import WeightPack, linear
+from ..native import forward as native_step
+from ..native.forward import NativeStep, applies, first_use
+from ..native.linear import WeightPack, linear
+from .kvcache import KVCache, Segment, cache_dtype
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
-from . import native_step
-from .native_step import NativeStep, applies, first_use
 
 
 class DecoderLayer(nn.Module):

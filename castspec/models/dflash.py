@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..cache import KVCache, cache_dtype
-from ..kernels import WeightPack, linear
 from ..config import DrafterConfig
+from ..native import forward as native_step
+from ..native.forward import NativeDraft, applies, first_use
+from ..native.linear import WeightPack, linear
+from .kvcache import KVCache, cache_dtype
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
-from . import native_step
-from .native_step import NativeDraft, applies, first_use
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels import WeightPack, linear
+from ..native.linear import WeightPack, linear
 
 # CUDA attention backends, cuDNN left out: it builds an execution plan for every new key length, and a decode
 # step's key length is always new (on an H200 in bf16 a cast round at N = 63 took 3.8x longer with it; README).

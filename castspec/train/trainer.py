@@ -25,8 +25,8 @@ from ..config import DrafterConfig, default_tap_layers
 from ..models.decoder import Decoder
 from ..models.dflash import DFlashDrafter
 from ..models.load import save_drafter
-from .blocks import (block_inputs, block_mask, chain_acceptance, decay_weights, parse_window_schedule,
-                     sample_anchors, window_at)
+from .blocks import (block_inputs, block_mask, chain_acceptance, decay_weights, parse_window_schedule, sample_anchors,
+    window_at)
 from .distributed import Ranks
 
 log = logging.getLogger("castspec")

@@ -82,7 +82,7 @@ def check_exact(engine, messages: list[dict], ar: list[int], cast: list[int], ou
 
 
 def cmd_demo(args) -> int:
-    from .cli import load_engine, parse_width
+    from .common import load_engine, parse_width
 
     width = parse_width(args.width)  # before the load: a typo should not cost one
     try:
@@ -94,7 +94,7 @@ def cmd_demo(args) -> int:
 
 
 def register(sub) -> None:
-    from .cli import add_model_args
+    from .common import add_model_args
 
     p = sub.add_parser("demo", help="ar vs cast on built-in prompts with the default model",
                        description="Load the defaults and show text, R, ms/token and speedup for a few prompts.")

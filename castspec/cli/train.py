@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def _writable_dir(path: str) -> Path:
-    from ..cli import UserError
+    from .common import UserError
 
     p = Path(path)
     try:
@@ -32,7 +32,7 @@ def cmd_make_data(args) -> int:
         torch.set_num_threads(args.threads)
     loaded = load_target(args.target, dtype=DTYPES[args.dtype])
     if loaded.tokenizer is None:
-        from ..cli import UserError
+        from .common import UserError
 
         raise UserError(f"target {loaded.source} has no tokenizer: make-data needs one to apply the chat template")
     print(json.dumps(_make_data(args, loaded)))
@@ -113,7 +113,7 @@ def register(sub) -> None:
 
 
 def _tap_list(text: str) -> list[int]:
-    from ..cli import UserError
+    from .common import UserError
 
     try:
         return [int(x) for x in text.split(",")] if text.strip() else []
@@ -122,9 +122,9 @@ def _tap_list(text: str) -> list[int]:
 
 
 def cmd_train_drafter(args) -> int:
-    from ..cli import UserError
-    from .blocks import parse_window_schedule
-    from .distributed import join, leave
+    from .common import UserError
+    from ..train.blocks import parse_window_schedule
+    from ..train.distributed import join, leave
 
     try:
         parse_window_schedule(args.context_window)
@@ -143,11 +143,11 @@ def cmd_train_drafter(args) -> int:
 def _train_drafter(args, out: Path, ranks) -> int:
     import torch
 
-    from ..cli import UserError
+    from .common import UserError
     from ..engine import DTYPES
     from ..models.load import load_target, rope_parameters_of
-    from .datagen import load_records, shard_files
-    from .trainer import TrainConfig, TrainError, train
+    from ..train.datagen import load_records, shard_files
+    from ..train.trainer import TrainConfig, TrainError, train
 
     data = Path(args.data)
     if args.threads:
@@ -191,8 +191,8 @@ def replay_tracker(loaded, data: Path, out: Path, per_domain: int):
 
     from ..models.load import load_drafter
     from ..prompts import heldout_prompts
-    from .datagen import batched_generate, encode_chat
-    from .replay import replay_r
+    from ..train.datagen import batched_generate, encode_chat
+    from ..train.replay import replay_r
 
     cache = data / f"heldout-{per_domain}.pt"
     if cache.exists():
@@ -221,7 +221,7 @@ def replay_tracker(loaded, data: Path, out: Path, per_domain: int):
 
 def _make_data(args, loaded) -> dict:
     from ..prompts import training_prompts
-    from .datagen import DataGenConfig, generate_dataset
+    from ..train.datagen import DataGenConfig, generate_dataset
 
     cfg = DataGenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         temperature=args.temperature, seed=args.seed, dtype=args.dtype)
@@ -235,8 +235,8 @@ def _make_data(args, loaded) -> dict:
 
 def _part(text: str | None) -> tuple[int, int]:
     """This worker's share of make-data: --part i/n, or the launcher's rank/world size under torchrun."""
-    from ..cli import UserError
-    from .distributed import launched, launcher_part
+    from .common import UserError
+    from ..train.distributed import launched, launcher_part
 
     if text is None:
         return launcher_part()
@@ -263,11 +263,11 @@ def _report(report: dict, out: str | None) -> int:
 def cmd_diagnose_drafter(args) -> int:
     import torch
 
-    from ..cli import UserError
+    from .common import UserError
     from ..engine import DTYPES
     from ..models.load import load_drafter, load_target
-    from .datagen import load_records, shard_files
-    from .diagnose import diagnose
+    from ..train.datagen import load_records, shard_files
+    from ..train.diagnose import diagnose
 
     data = Path(args.data)
     if not shard_files(data):
@@ -282,10 +282,10 @@ def cmd_diagnose_drafter(args) -> int:
 def cmd_draft_vocab(args) -> int:
     import torch
 
-    from ..cli import UserError
+    from .common import UserError
     from ..models.draft_vocab import coverage, save_draft_vocab, token_counts, top_tokens
     from ..models.load import load_drafter, load_target
-    from .datagen import load_records, shard_files
+    from ..train.datagen import load_records, shard_files
 
     drafter_dir, data = Path(args.drafter), Path(args.data)
     if not (drafter_dir / "config.json").is_file():
@@ -313,11 +313,11 @@ def cmd_draft_vocab(args) -> int:
 
 def cmd_eval_drafter(args) -> int:
     from .. import load
-    from .evaluate import evaluate_drafter
+    from ..train.evaluate import evaluate_drafter
 
     engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)
     if engine.drafter is None:
-        from ..cli import UserError
+        from .common import UserError
 
         raise UserError("no drafter to evaluate: pass --drafter DIR")
     report = evaluate_drafter(engine, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,

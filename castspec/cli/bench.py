@@ -6,8 +6,8 @@ from pathlib import Path
 
 
 def cmd_bench(args) -> int:
-    from ..cli import UserError, load_engine
-    from .harness import BenchConfig, MethodSpec, builtin_prompts, file_prompts, markdown, plots, run_bench
+    from .common import UserError, load_engine
+    from ..bench.harness import BenchConfig, MethodSpec, builtin_prompts, file_prompts, markdown, plots, run_bench
 
     try:
         methods = [MethodSpec.parse(m) for m in args.methods.split(",") if m]
@@ -51,7 +51,7 @@ def parse_max_new(text: str) -> dict:
 
 
 def register(sub) -> None:
-    from ..cli import add_model_args
+    from .common import add_model_args
 
     p = sub.add_parser("bench", help="ar vs chain vs cast (and transformers) on real prompt sets",
                        description="Decode-only timing (after prefill and the first draft), R, speedups, "

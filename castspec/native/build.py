@@ -70,7 +70,7 @@ def library():
     """The loaded kernels, or None where they are unavailable (see the module docstring)."""
     if os.environ.get("CASTSPEC_NATIVE", "1") == "0" or not cpu_supported():
         return None
-    from .models.load import cache_dir
+    from ..env import cache_dir
 
     files = sorted(CSRC.glob("*.[ch]"))  # the header too: a change there must rebuild
     key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(FLAGS).encode()).hexdigest()[:16]

@@ -1,10 +1,9 @@
 """`castspec serve`: the OpenAI-compatible server on uvicorn."""
 from __future__ import annotations
 
-
 def scheduler_config(args):
-    from .cli import UserError
-    from .scheduler import SchedulerConfig
+    from .common import UserError
+    from ..serving.scheduler import SchedulerConfig
 
     try:
         return SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
@@ -15,8 +14,8 @@ def scheduler_config(args):
 
 def server_config(args):
     """The request limits and shutdown deadline from the command line (checked before the model loads)."""
-    from .cli import UserError
-    from .server import ServerConfig
+    from .common import UserError
+    from ..serving.frontend import ServerConfig
 
     try:
         return ServerConfig(model_name=args.model_name, default_max_tokens=args.default_max_tokens,
@@ -33,9 +32,9 @@ def server_config(args):
 def serving_configs(args):
     """The method, policy and port checks shared by `serve` and `serve-ray`, then (SchedulerConfig,
     ServerConfig), all before any model loads."""
-    from .allocate import POLICIES
-    from .cli import UserError
-    from .config import METHODS
+    from ..allocate import POLICIES
+    from .common import UserError
+    from ..config import METHODS
 
     if args.method not in METHODS:
         raise UserError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
@@ -47,8 +46,8 @@ def serving_configs(args):
 
 
 def cmd_serve(args) -> int:
-    from .cli import UserError, load_engine
-    from .server import create_app, run_server
+    from .common import UserError, load_engine
+    from ..serving.server import create_app, run_server
 
     cfg, server_cfg = serving_configs(args)
     engine = load_engine(args)
@@ -73,7 +72,7 @@ def add_scheduler_args(p) -> None:
 
 
 def add_limit_args(p) -> None:
-    from .server import ServerConfig
+    from ..serving.frontend import ServerConfig
 
     d = ServerConfig()
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
@@ -99,7 +98,7 @@ def add_limit_args(p) -> None:
 
 
 def register(sub) -> None:
-    from .cli import add_model_args
+    from .common import add_model_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                        description="POST /v1/completions, /v1/chat/completions (SSE with stream=true), "

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .native import skinny_linear
+from .build import skinny_linear
 
 log = logging.getLogger("castspec")
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 
 def cmd_probe(args) -> int:
-    from .cli import UserError, load_engine
-    from .cost import profile_path
-    from .models.load import cache_dir
-    from .probe import engine_key, plot_profile, probe, probe_batch
+    from .common import UserError, load_engine
+    from ..cost import profile_path
+    from ..env import cache_dir
+    from ..probe import engine_key, plot_profile, probe, probe_batch
 
     try:
         packed = tuple(int(x) for x in args.packed.split(","))
@@ -38,7 +38,7 @@ def cmd_probe(args) -> int:
 
 
 def register(sub) -> None:
-    from .cli import add_model_args
+    from .common import add_model_args
 
     p = sub.add_parser("probe", help="time the verify path over packed counts; store the cost profile",
                        description="Packed forward with the tree mask and cache as decoding runs it, the drafter "

@@ -30,8 +30,11 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
+from .frontend import ServerConfig
+from .metrics import prometheus
+from .protocol import ApiError, error_response
 from .scheduler import SchedulerConfig
-from .server import ApiError, ServerConfig, error_response, prometheus, read_body
+from .server import read_body
 
 log = logging.getLogger("castspec.ray")
 
@@ -120,8 +123,8 @@ class EngineReplica:
     def __init__(self, options: ReplicaOptions, board):
         import torch
 
-        from .engine import load
-        from .loadtest import LiveServer
+        from ..engine import load
+        from .live import LiveServer
         from .server import create_app
 
         torch.set_num_threads(max(1, options.threads))

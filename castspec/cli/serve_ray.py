@@ -10,12 +10,12 @@ import threading
 
 
 def cmd_serve_ray(args) -> int:
-    from .cli import UserError, load_engine
-    from .serve_cli import serving_configs
+    from .common import UserError, load_engine
+    from .serve import serving_configs
 
     sched, server_cfg = serving_configs(args)
     try:
-        from . import ray_serve
+        from ..serving import ray_serve
     except ImportError as e:
         raise UserError(f"serve-ray needs Ray Serve ({e.name} is missing): pip install 'castspec[ray]'") from None
     try:
@@ -64,8 +64,8 @@ def _wait_for_signal() -> None:
 
 
 def register(sub) -> None:
-    from .cli import add_model_args
-    from .serve_cli import add_limit_args, add_scheduler_args
+    from .common import add_model_args
+    from .serve import add_limit_args, add_scheduler_args
 
     p = sub.add_parser("serve-ray", help="castspec serve on Ray Serve: N engine replicas behind one ingress",
                        description="The routes of `castspec serve` (same validation, errors and SSE) relayed to "

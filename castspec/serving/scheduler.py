@@ -22,10 +22,10 @@ from typing import Callable
 
 import torch
 
-from .allocate import Policy, make_policy
-from .batch import run_round
-from .config import DecodeConfig
-from .sequence import Sequence, check_request
+from ..allocate import Policy, make_policy
+from ..config import DecodeConfig
+from ..round import run_round
+from ..sequence import Sequence, check_request
 
 log = logging.getLogger("castspec.scheduler")
 

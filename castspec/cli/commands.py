@@ -3,9 +3,9 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from . import analysis_cli, demo, loadtest, probe_cli, ray_cli, serve_cli
-    from .bench import cli as bench_cli
-    from .train import cli as train_cli
+    from . import analysis as analysis_cli, demo, loadtest, probe as probe_cli, serve_ray as ray_cli, serve as serve_cli
+    from . import bench as bench_cli
+    from . import train as train_cli
 
     demo.register(sub)
     bench_cli.register(sub)

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .. import native
+from . import build as native
 
 log = logging.getLogger("castspec")
 

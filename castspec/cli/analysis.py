@@ -10,7 +10,7 @@ import numpy as np
 def _load_logs(path: str):
     import torch
 
-    from .cli import UserError
+    from .common import UserError
 
     try:
         return torch.load(path, weights_only=False)
@@ -23,9 +23,9 @@ def _load_logs(path: str):
 def cmd_collect(args) -> int:
     import torch
 
-    from .cli import UserError, load_engine
-    from .prompts import heldout_prompts
-    from .analysis import collect_rounds
+    from .common import UserError, load_engine
+    from ..prompts import heldout_prompts
+    from ..analysis import collect_rounds
 
     engine = load_engine(args)
     if engine.drafter is None:
@@ -38,7 +38,7 @@ def cmd_collect(args) -> int:
 
 
 def cmd_masses(args) -> int:
-    from .analysis import mass_curves
+    from ..analysis import mass_curves
 
     curves = mass_curves(_load_logs(args.logs), args.max_width, args.top_k)
     _write(args.out, curves)
@@ -63,9 +63,9 @@ def cmd_masses(args) -> int:
 
 
 def cmd_width(args) -> int:
-    from .analysis import mass_curves, predicted_widths
-    from .cli import UserError
-    from .cost import CostProfile, affine_fit, throughput
+    from ..analysis import mass_curves, predicted_widths
+    from .common import UserError
+    from ..cost import CostProfile, affine_fit, throughput
 
     try:
         profile = CostProfile.load(Path(args.profile))
@@ -86,7 +86,7 @@ def cmd_width(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from .analysis import analyze
+    from ..analysis import analyze
 
     report = analyze(_load_logs(args.logs))
     _write(args.out, report)
@@ -101,7 +101,7 @@ def _write(path, obj) -> None:
 
 
 def register(sub) -> None:
-    from .cli import add_model_args
+    from .common import add_model_args
 
     c = sub.add_parser("collect", help="round logs: top-K marginals and realized continuations (held-out prompts)")
     add_model_args(c)
@@ -137,11 +137,11 @@ def register(sub) -> None:
 
 def cmd_sweep(args) -> int:
     """Width sweep on held-out prompts + each rule's predicted width and its gain vs the sweep oracle."""
-    from .analysis import collect_rounds, mass_curves, predicted_widths
-    from .bench.harness import BenchConfig, MethodSpec, builtin_prompts, plots, run_bench
-    from .cli import UserError, load_engine
-    from .prompts import heldout_prompts
-    from .probe import probe
+    from ..analysis import collect_rounds, mass_curves, predicted_widths
+    from ..bench.harness import BenchConfig, MethodSpec, builtin_prompts, plots, run_bench
+    from .common import UserError, load_engine
+    from ..prompts import heldout_prompts
+    from ..probe import probe
 
     widths = [int(w) for w in args.widths.split(",")]
     engine = load_engine(args)
@@ -185,7 +185,7 @@ def cmd_sweep(args) -> int:
 
 
 def register_sweep(sub) -> None:
-    from .cli import add_model_args
+    from .common import add_model_args
 
     s = sub.add_parser("sweep", help="width sweep vs the rules' predicted widths (JSON + plot)")
     add_model_args(s)

@@ -1,0 +1,198 @@
+"""`castspec loadtest`: compare allocation policies under load, soak a server, or measure the serving tax (the load
+generators are in castspec/serving/loadtest.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+from ..serving.live import LiveServer, ServeProcess, check_loopback
+from ..serving.loadtest import SoakConfig, plot, plot_soak, run_load, run_soak, summarize
+
+
+SPEC_HELP = "ar | chain | fixed:N | uniform:M | shared:M | cost"
+
+
+DEFAULT_POLICIES = "ar,chain,fixed:3,fixed:7,fixed:15,shared:16,shared:32,cost"
+
+
+def parse_spec(spec: str) -> tuple[str, str, int]:
+    """Policy spec -> (method, policy, width)."""
+    name, _, arg = spec.partition(":")
+    if name == "ar":
+        return "ar", "fixed", 0
+    if name == "chain":
+        return "chain", "chain", 0
+    if name == "cost":
+        return "cast", "cost", 15
+    if name in ("fixed", "uniform", "shared"):
+        try:
+            width = int(arg)
+        except ValueError:
+            raise ValueError(f"policy {spec!r} needs a width, e.g. {name}:15") from None
+        if width < 0:
+            raise ValueError(f"policy {spec!r}: width must be >= 0")
+        return "cast", name, width
+    raise ValueError(f"unknown policy spec {spec!r}; use {SPEC_HELP}")
+
+
+def soak_serve_args(args, spec: str) -> list[str]:
+    """`castspec serve` flags for the soak's server: the model flags given to loadtest, and the policy spec."""
+    method, policy, width = parse_spec(spec)
+    out = ["--method", method, "--policy", "fixed" if method == "ar" else policy, "--width", str(width),
+           "--max-batch", str(args.max_batch), "--prefill-budget", str(args.prefill_budget),
+           "--device", args.device, "--dtype", args.dtype]
+    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
+        if value is not None:
+            out += [flag, value]
+    return out
+
+
+def cmd_soak(args, messages: list[list[dict]], out: Path) -> int:
+    from .common import UserError
+
+    spec = args.policies or "cost"
+    try:
+        cfg = SoakConfig(requests=args.requests or 400, concurrency=int(args.concurrency or 12),
+                         max_tokens=args.max_tokens, abandon_share=args.abandon, stream_share=args.stream_share,
+                         time_limit=args.time_limit, sample_every=args.sample_every)
+        serve_args = soak_serve_args(args, spec)
+    except ValueError as e:
+        raise UserError(f"{e} (--soak takes one --policies spec and one --concurrency)") from None
+    if args.max_batch < 1:
+        raise UserError("--max-batch must be >= 1")
+    server = None
+    if args.url:
+        report = asyncio.run(run_soak(args.url, messages, cfg))
+    else:
+        server = ServeProcess(serve_args, out / "server.log")
+        with server as url:
+            report = asyncio.run(run_soak(url, messages, cfg))
+        report["shutdown_s"] = server.shutdown_s
+        report["server"] = {"policy": spec, "max_batch": args.max_batch, "exit_status": server.proc.returncode}
+    (out / "soak.json").write_text(json.dumps(report, indent=2))
+    plot_soak(report, out / "soak.png")
+    print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "config")}, indent=2))
+    return 0
+
+
+def cmd_loadtest(args) -> int:
+    from .common import UserError, load_engine
+    from ..prompts import heldout_prompts
+    from ..serving.scheduler import SchedulerConfig
+    from ..serving.frontend import ServerConfig
+    from ..serving.server import create_app
+
+    try:
+        if args.url:
+            args.url = check_loopback(args.url)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write to {out}: {e}") from None
+    prompts = heldout_prompts(args.per_domain)
+    messages = [[{"role": "user", "content": p.text}] for p in prompts]
+    random.Random(0).shuffle(messages)
+    if args.soak:
+        return cmd_soak(args, messages, out)
+    if args.tax:
+        return cmd_tax(args, messages, out)
+    args.requests = args.requests or 16
+    try:
+        levels = [int(x) for x in (args.concurrency or "1,4,8,16").split(",")]
+        specs = [s.strip() for s in (args.policies or DEFAULT_POLICIES).split(",") if s.strip()]
+        parsed = {s: parse_spec(s) for s in specs}
+    except ValueError as e:
+        raise UserError(str(e) if "policy" in str(e) else "--concurrency is a comma list of integers") from None
+    if min(levels) < 1 or args.requests < 1 or args.max_tokens < 1 or (args.rate is not None and args.rate <= 0):
+        raise UserError("concurrency, --requests and --max-tokens must be >= 1 and --rate > 0")
+    results = []
+    if args.url:
+        for B in levels:
+            res = asyncio.run(run_load(args.url, messages, B, max(args.requests, B), args.max_tokens, args.rate,
+                                       args.time_limit))
+            results.append({"policy": "external", "concurrency": B, **res})
+            print(json.dumps(results[-1]))
+    else:
+        engine = load_engine(args)
+        for spec, (method, policy, width) in parsed.items():
+            if method != "ar" and engine.drafter is None:
+                raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
+            for B in levels:
+                cfg = SchedulerConfig(max_batch=B, max_queue=max(64, 4 * B), policy=policy, width=width,
+                                      prefill_budget=args.prefill_budget)
+                app = create_app(engine, engine.scheduler(cfg, method), ServerConfig())
+                with LiveServer(app) as url:
+                    res = asyncio.run(run_load(url, messages, B, max(args.requests, B), args.max_tokens, args.rate,
+                                               args.time_limit))
+                results.append({"policy": spec, "concurrency": B, **res})
+                print(json.dumps({k: results[-1][k] for k in ("policy", "concurrency", "ok", "goodput_tokens_per_s",
+                                                              "p50_latency_s", "p99_latency_s",
+                                                              "mean_committed_per_round")}))
+    report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results,
+              "summary": summarize(results)}
+    (out / "loadtest.json").write_text(json.dumps(report, indent=2))
+    plot(results, out / "loadtest.png")
+    print(json.dumps(report["summary"], indent=2))
+    return 0
+
+
+def cmd_tax(args, messages: list[list[dict]], out: Path) -> int:
+    """--tax: the server's per-token cost over the engine it wraps, at concurrency 1 (castspec/bench/tax.py)."""
+    from ..bench.tax import measure_tax
+    from .common import UserError, load_engine
+
+    engine = load_engine(args)
+    prompts = [engine.encode(messages=m) for m in messages[:args.requests or 6]]
+    report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": []}
+    for spec in [s.strip() for s in (args.policies or "ar").split(",") if s.strip()]:
+        method, policy, width = parse_spec(spec)
+        if method != "ar" and engine.drafter is None:
+            raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
+        res = measure_tax(engine, prompts, method, args.max_tokens, policy, width, args.repeats)
+        report["results"].append({"policy": spec, **res})
+        print(json.dumps({"policy": spec, **res["summary"]}))
+    (out / "tax.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def register(sub) -> None:
+    from .common import add_model_args
+
+    p = sub.add_parser("loadtest", help="load the HTTP server over loopback; compare allocation policies",
+                       description="Fixed concurrency (or Poisson arrivals) of streamed chat requests; p50/p99 "
+                                   "latency, goodput, committed tokens per round; JSON + PNG.")
+    add_model_args(p)
+    p.add_argument("--policies", default=None,
+                   help=f"comma list of {SPEC_HELP} (default {DEFAULT_POLICIES}; --soak: one spec, default cost)")
+    p.add_argument("--concurrency", default=None,
+                   help="client counts B, also the server's max batch (default 1,4,8,16; --soak: one count, "
+                        "default 12)")
+    p.add_argument("--requests", type=int, default=None, help="requests per level, at least B (default 16; "
+                                                               "--soak: in all, default 400)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead of fixed B")
+    p.add_argument("--time-limit", type=float, default=300.0, help="seconds per level before submission stops")
+    p.add_argument("--per-domain", type=int, default=8, help="held-out prompts per domain to cycle through")
+    p.add_argument("--prefill-budget", type=int, default=512)
+    p.add_argument("--url", default=None, help="load an already running server on this machine instead")
+    p.add_argument("--out", default="runs/loadtest")
+    t = p.add_argument_group("serving tax (--tax)")
+    t.add_argument("--tax", action="store_true",
+                   help="at concurrency 1: engine.generate vs the scheduler in-process vs streamed HTTP on the same "
+                        "prompts (decode ms/token, time to first token); --requests prompts (default 6)")
+    t.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    s = p.add_argument_group("soak (--soak)")
+    s.add_argument("--soak", action="store_true",
+                   help="one long mixed load against a `castspec serve` process on 127.0.0.1: errors, p50/p99, "
+                        "running/queued afterwards, the server's memory over the run, its exit time on SIGTERM")
+    s.add_argument("--max-batch", type=int, default=8, help="the soak server's --max-batch")
+    s.add_argument("--abandon", type=float, default=0.25, help="share of streams whose client leaves early")
+    s.add_argument("--stream-share", type=float, default=0.5, help="share of requests that stream")
+    s.add_argument("--sample-every", type=float, default=2.0, help="seconds between readings of /metrics")
+    p.set_defaults(func=cmd_loadtest)
