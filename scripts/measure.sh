@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every measurement the README quotes, in one run on one machine (about 40 minutes on 2 CPU cores).
-# Results land in docs/results/; the machine is noisy, so compare ratios within one run.
+# The measurements docs/performance.md (and the README's results table) quote, in one run on one machine (about
+# 40 minutes on 2 CPU cores). Results land in docs/results/, replacing the committed ones: note the machine and
+# the date beside them in docs/performance.md. On a shared machine compare ratios within one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 C=.venv/bin/castspec

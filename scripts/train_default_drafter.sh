@@ -21,9 +21,9 @@ fi
 #    step 450, then everything (docs/training.md says why). Checkpoint every 25 steps; replay R on 4 held-out
 #    prompts per domain at every export (RUN/curve.json).
 #    The shipped run was trained in two legs, which this reproduces exactly (resume is exact): 800 steps with
-#    the cosine schedule of an 800-step run (session 4's drafter, v5), then resumed with --steps $STEPS, which
-#    puts the learning rate back on the longer schedule (1e-4 -> 8.5e-4 at step 800) and continues the data
-#    order where it stopped.
+#    the cosine schedule of an 800-step run (shipped on its own for a while as v5, docs/training.md), then
+#    resumed with --steps $STEPS, which puts the learning rate back on the longer schedule (1e-4 -> 8.5e-4 at
+#    step 800) and continues the data order where it stopped.
 TRAIN="$CLI train-drafter --data $DATA --out $RUN --layers 2 --seqs-per-step 2 --anchors 64 --lr 1e-3
        --norm-init ones --context-window 8:200,64:450 --checkpoint-every 25 --export-every 100 --eval-per-domain 4"
 $TRAIN --steps 800
