@@ -82,9 +82,9 @@ def test_demo_command_exits_zero_when_exact(model_dirs, capsys):
 
 
 def test_demo_command_exits_nonzero_on_an_fp32_difference(monkeypatch, capsys):
-    import castspec.cli
+    import castspec.cli.demo
 
-    monkeypatch.setattr(castspec.cli, "load_engine", lambda args: tiny_engine(WrongCast))
+    monkeypatch.setattr(castspec.cli.demo, "load_engine", lambda args: tiny_engine(WrongCast))
     code = main(["demo", "--max-new-tokens", "6", "--width", "3"])
     err = capsys.readouterr().err
     assert code == 1

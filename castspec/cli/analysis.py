@@ -5,13 +5,17 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from ..analysis import analyze, collect_rounds, mass_curves, predicted_widths
+from ..bench.harness import BenchConfig, MethodSpec, builtin_prompts, plots, run_bench
+from ..cost import CostProfile, affine_fit, throughput
+from ..probe import probe
+from ..prompts import heldout_prompts
+from .common import UserError, add_model_args, load_engine, write_json
 
 
 def _load_logs(path: str):
-    import torch
-
-    from .common import UserError
-
     try:
         return torch.load(path, weights_only=False)
     except FileNotFoundError:
@@ -21,12 +25,6 @@ def _load_logs(path: str):
 
 
 def cmd_collect(args) -> int:
-    import torch
-
-    from .common import UserError, load_engine
-    from ..prompts import heldout_prompts
-    from ..analysis import collect_rounds
-
     engine = load_engine(args)
     if engine.drafter is None:
         raise UserError("collect needs a drafter")
@@ -38,11 +36,9 @@ def cmd_collect(args) -> int:
 
 
 def cmd_masses(args) -> int:
-    from ..analysis import mass_curves
-
     curves = mass_curves(_load_logs(args.logs), args.max_width, args.top_k)
-    _write(args.out, curves)
-    if args.plot:
+    write_json(curves, args.out)
+    if args.plot:  # matplotlib is imported only to draw: it is slow to import and most runs write JSON alone
         import matplotlib
 
         matplotlib.use("Agg")
@@ -63,10 +59,6 @@ def cmd_masses(args) -> int:
 
 
 def cmd_width(args) -> int:
-    from ..analysis import mass_curves, predicted_widths
-    from .common import UserError
-    from ..cost import CostProfile, affine_fit, throughput
-
     try:
         profile = CostProfile.load(Path(args.profile))
     except FileNotFoundError:
@@ -81,28 +73,18 @@ def cmd_width(args) -> int:
         print(f"{d}: affine rule N*={w['affine']} (c1={c1:.3f} ms/node, stop when next mass < throughput x c1); "
               f"table rule N*={w['table']} (max (g+1)/l = {thr[w['table']]:.4f} tok/ms; chain-length tree "
               f"{thr[min(15, len(thr) - 1)]:.4f})")
-    _write(args.out, {"prefix": args.prefix, "c0": c0, "c1": c1, "widths": widths})
+    write_json({"prefix": args.prefix, "c0": c0, "c1": c1, "widths": widths}, args.out)
     return 0
 
 
 def cmd_analyze(args) -> int:
-    from ..analysis import analyze
-
     report = analyze(_load_logs(args.logs))
-    _write(args.out, report)
+    write_json(report, args.out)
     print(json.dumps(report["tree_shape_at_matched_budget"], indent=2))
     return 0
 
 
-def _write(path, obj) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(obj, indent=2))
-
-
 def register(sub) -> None:
-    from .common import add_model_args
-
     c = sub.add_parser("collect", help="round logs: top-K marginals and realized continuations (held-out prompts)")
     add_model_args(c)
     c.add_argument("--out", required=True, help="round log file (.pt)")
@@ -137,12 +119,6 @@ def register(sub) -> None:
 
 def cmd_sweep(args) -> int:
     """Width sweep on held-out prompts + each rule's predicted width and its gain vs the sweep oracle."""
-    from ..analysis import collect_rounds, mass_curves, predicted_widths
-    from ..bench.harness import BenchConfig, MethodSpec, builtin_prompts, plots, run_bench
-    from .common import UserError, load_engine
-    from ..prompts import heldout_prompts
-    from ..probe import probe
-
     widths = [int(w) for w in args.widths.split(",")]
     engine = load_engine(args)
     if engine.drafter is None:
@@ -185,8 +161,6 @@ def cmd_sweep(args) -> int:
 
 
 def register_sweep(sub) -> None:
-    from .common import add_model_args
-
     s = sub.add_parser("sweep", help="width sweep vs the rules' predicted widths (JSON + plot)")
     add_model_args(s)
     s.add_argument("--widths", default="1,3,7,15,31,47,63,95,127")

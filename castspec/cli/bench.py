@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..bench.harness import BenchConfig, MethodSpec, builtin_prompts, file_prompts, markdown, plots, run_bench
+from .common import UserError, add_model_args, load_engine
+
 
 def cmd_bench(args) -> int:
-    from .common import UserError, load_engine
-    from ..bench.harness import BenchConfig, MethodSpec, builtin_prompts, file_prompts, markdown, plots, run_bench
-
     try:
         methods = [MethodSpec.parse(m) for m in args.methods.split(",") if m]
         if args.sweep:
@@ -51,8 +51,6 @@ def parse_max_new(text: str) -> dict:
 
 
 def register(sub) -> None:
-    from .common import add_model_args
-
     p = sub.add_parser("bench", help="ar vs chain vs cast (and transformers) on real prompt sets",
                        description="Decode-only timing (after prefill and the first draft), R, speedups, "
                                    "bootstrap CIs; writes report.json, report.md and plots to --out.")

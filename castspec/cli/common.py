@@ -1,8 +1,14 @@
-"""What every subcommand shares: the user-error type, model and decoding arguments, loading an engine."""
+"""What every subcommand shares: the user-error type, model and decoding arguments, loading an engine, checking an
+output directory and printing a JSON report."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from pathlib import Path
 
+from ..config import ConfigError, DecodeConfig
+from ..engine import load
 
 EXIT_USAGE = 2
 
@@ -50,8 +56,6 @@ def decode_kwargs(args) -> dict:
 
 def check_decode_args(args) -> None:
     """Validate before loading anything: a typo should not cost a model load."""
-    from ..config import ConfigError, DecodeConfig
-
     try:
         DecodeConfig(**decode_kwargs(args))
     except ConfigError as e:
@@ -59,6 +63,31 @@ def check_decode_args(args) -> None:
 
 
 def load_engine(args):
-    from .. import load
-
     return load(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype)
+
+
+def writable_dir(path: str | Path) -> Path:
+    """`path`, created if needed, after a write test: a run should not fail at its first checkpoint."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{os.getpid()}"  # one per process: torchrun's ranks probe the same directory
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output directory {p} is not writable ({e.strerror})") from None
+    return p
+
+
+def write_json(obj, path: str | Path | None) -> None:
+    """Write `obj` as indented JSON to `path` (its directory created), or nothing when `path` is empty."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=2))
+
+
+def print_report(report: dict, out: str | None = None) -> int:
+    """Print the JSON report (and write it to `out` when given); the exit status of a command that succeeded."""
+    write_json(report, out)
+    print(json.dumps(report, indent=2))
+    return 0

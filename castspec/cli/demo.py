@@ -5,6 +5,8 @@ import sys
 
 import torch
 
+from .common import add_model_args, load_engine, parse_width
+
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain why the sky is blue in three sentences.",
@@ -82,8 +84,6 @@ def check_exact(engine, messages: list[dict], ar: list[int], cast: list[int], ou
 
 
 def cmd_demo(args) -> int:
-    from .common import load_engine, parse_width
-
     width = parse_width(args.width)  # before the load: a typo should not cost one
     try:
         run_demo(load_engine(args), args.max_new_tokens, width)
@@ -94,8 +94,6 @@ def cmd_demo(args) -> int:
 
 
 def register(sub) -> None:
-    from .common import add_model_args
-
     p = sub.add_parser("demo", help="ar vs cast on built-in prompts with the default model",
                        description="Load the defaults and show text, R, ms/token and speedup for a few prompts.")
     add_model_args(p)

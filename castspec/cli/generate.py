@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import UserError, check_decode_args, decode_kwargs, load_engine
+from .common import UserError, add_decode_args, add_model_args, check_decode_args, decode_kwargs, load_engine
 
 
 def cmd_generate(args) -> int:
@@ -35,3 +35,15 @@ def cmd_generate(args) -> int:
         print(f"[{result.method} width={result.width} | {s.new_tokens} tokens, R={s.mean_accepted:.2f}, "
               f"{s.decode_ms_per_token:.1f} ms/token decode, {engine.dtype_reason}]", file=sys.stderr)
     return 0
+
+
+def register(sub) -> None:
+    g = sub.add_parser("generate", help="decode one prompt with ar, chain or cast",
+                       description="Decode one prompt; greedy output is exactly the target's.")
+    g.add_argument("--prompt", default=None, help="raw text prompt")
+    g.add_argument("--messages", default=None, help='chat messages as JSON, e.g. [{"role":"user","content":"Hi"}]')
+    g.add_argument("--input-ids", default=None, help="token ids, used as given")
+    g.add_argument("--json", action="store_true", help="print the result and statistics as JSON")
+    add_model_args(g)
+    add_decode_args(g)
+    g.set_defaults(func=cmd_generate)

@@ -1,5 +1,6 @@
-"""`castspec loadtest`: compare allocation policies under load, soak a server, or measure the serving tax (the load
-generators are in castspec/serving/loadtest.py).
+"""`castspec loadtest`: compare allocation policies under load (the default), soak a `castspec serve` process
+(--soak), or measure the serving tax (--tax). This module turns flags into runs and writes the reports; the load
+generators are in castspec/serving/loadtest.py, the tax measurement in castspec/bench/tax.py.
 """
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ import json
 import random
 from pathlib import Path
 
+from ..bench.tax import measure_tax
+from ..prompts import heldout_prompts
+from ..serving.frontend import ServerConfig
 from ..serving.live import LiveServer, ServeProcess, check_loopback
 from ..serving.loadtest import SoakConfig, plot, plot_soak, run_load, run_soak, summarize
+from ..serving.scheduler import SchedulerConfig
+from ..serving.server import create_app
+from .common import UserError, add_model_args, load_engine
 
 
 SPEC_HELP = "ar | chain | fixed:N | uniform:M | shared:M | cost"
@@ -19,23 +26,11 @@ DEFAULT_POLICIES = "ar,chain,fixed:3,fixed:7,fixed:15,shared:16,shared:32,cost"
 
 
 def parse_spec(spec: str) -> tuple[str, str, int]:
-    """Policy spec -> (method, policy, width)."""
-    name, _, arg = spec.partition(":")
-    if name == "ar":
-        return "ar", "fixed", 0
-    if name == "chain":
-        return "chain", "chain", 0
-    if name == "cost":
-        return "cast", "cost", 15
-    if name in ("fixed", "uniform", "shared"):
-        try:
-            width = int(arg)
-        except ValueError:
-            raise ValueError(f"policy {spec!r} needs a width, e.g. {name}:15") from None
-        if width < 0:
-            raise ValueError(f"policy {spec!r}: width must be >= 0")
-        return "cast", name, width
-    raise ValueError(f"unknown policy spec {spec!r}; use {SPEC_HELP}")
+    """Policy spec -> (method, policy, width), as allocate.PolicySpec reads it (width 0 where it is unused)."""
+    from ..allocate import PolicySpec
+
+    parsed = PolicySpec.parse(spec)
+    return parsed.method, parsed.policy, parsed.width
 
 
 def soak_serve_args(args, spec: str) -> list[str]:
@@ -51,8 +46,6 @@ def soak_serve_args(args, spec: str) -> list[str]:
 
 
 def cmd_soak(args, messages: list[list[dict]], out: Path) -> int:
-    from .common import UserError
-
     spec = args.policies or "cost"
     try:
         cfg = SoakConfig(requests=args.requests or 400, concurrency=int(args.concurrency or 12),
@@ -79,12 +72,6 @@ def cmd_soak(args, messages: list[list[dict]], out: Path) -> int:
 
 
 def cmd_loadtest(args) -> int:
-    from .common import UserError, load_engine
-    from ..prompts import heldout_prompts
-    from ..serving.scheduler import SchedulerConfig
-    from ..serving.frontend import ServerConfig
-    from ..serving.server import create_app
-
     try:
         if args.url:
             args.url = check_loopback(args.url)
@@ -144,9 +131,6 @@ def cmd_loadtest(args) -> int:
 
 def cmd_tax(args, messages: list[list[dict]], out: Path) -> int:
     """--tax: the server's per-token cost over the engine it wraps, at concurrency 1 (castspec/bench/tax.py)."""
-    from ..bench.tax import measure_tax
-    from .common import UserError, load_engine
-
     engine = load_engine(args)
     prompts = [engine.encode(messages=m) for m in messages[:args.requests or 6]]
     report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": []}
@@ -162,8 +146,6 @@ def cmd_tax(args, messages: list[list[dict]], out: Path) -> int:
 
 
 def register(sub) -> None:
-    from .common import add_model_args
-
     p = sub.add_parser("loadtest", help="load the HTTP server over loopback; compare allocation policies",
                        description="Fixed concurrency (or Poisson arrivals) of streamed chat requests; p50/p99 "
                                    "latency, goodput, committed tokens per round; JSON + PNG.")

@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..cost import profile_path
+from ..env import cache_dir
+from ..probe import engine_key, plot_profile, probe, probe_batch
+from .common import UserError, add_model_args, load_engine
+
 
 def cmd_probe(args) -> int:
-    from .common import UserError, load_engine
-    from ..cost import profile_path
-    from ..env import cache_dir
-    from ..probe import engine_key, plot_profile, probe, probe_batch
-
     try:
         packed = tuple(int(x) for x in args.packed.split(","))
         prefixes = tuple(int(x) for x in args.prefix_lens.split(","))
@@ -38,8 +38,6 @@ def cmd_probe(args) -> int:
 
 
 def register(sub) -> None:
-    from .common import add_model_args
-
     p = sub.add_parser("probe", help="time the verify path over packed counts; store the cost profile",
                        description="Packed forward with the tree mask and cache as decoding runs it, the drafter "
                                    "pass and host overhead h(N); medians after warm-ups.")

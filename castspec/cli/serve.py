@@ -1,22 +1,25 @@
-"""`castspec serve`: the OpenAI-compatible server on uvicorn."""
+"""`castspec serve`: the OpenAI-compatible server on uvicorn; also the scheduler and request-limit flags and their
+checks, which `castspec serve-ray` shares."""
 from __future__ import annotations
 
-def scheduler_config(args):
-    from .common import UserError
-    from ..serving.scheduler import SchedulerConfig
+from ..allocate import POLICIES
+from ..config import METHODS
+from ..serving.frontend import ServerConfig
+from ..serving.scheduler import SchedulerConfig
+from ..serving.server import create_app, run_server
+from .common import UserError, add_model_args, load_engine
 
+
+def scheduler_config(args):
     try:
         return SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
-                               policy=args.policy, width=args.width, top_k=args.top_k_per_position)
+                               policy=args.policy, width=args.width, top_k_per_position=args.top_k_per_position)
     except ValueError as e:
         raise UserError(str(e)) from None
 
 
 def server_config(args):
     """The request limits and shutdown deadline from the command line (checked before the model loads)."""
-    from .common import UserError
-    from ..serving.frontend import ServerConfig
-
     try:
         return ServerConfig(model_name=args.model_name, default_max_tokens=args.default_max_tokens,
                             max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
@@ -32,10 +35,6 @@ def server_config(args):
 def serving_configs(args):
     """The method, policy and port checks shared by `serve` and `serve-ray`, then (SchedulerConfig,
     ServerConfig), all before any model loads."""
-    from ..allocate import POLICIES
-    from .common import UserError
-    from ..config import METHODS
-
     if args.method not in METHODS:
         raise UserError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
     if args.policy not in POLICIES:
@@ -46,9 +45,6 @@ def serving_configs(args):
 
 
 def cmd_serve(args) -> int:
-    from .common import UserError, load_engine
-    from ..serving.server import create_app, run_server
-
     cfg, server_cfg = serving_configs(args)
     engine = load_engine(args)
     if args.method != "ar" and engine.drafter is None:
@@ -72,8 +68,6 @@ def add_scheduler_args(p) -> None:
 
 
 def add_limit_args(p) -> None:
-    from ..serving.frontend import ServerConfig
-
     d = ServerConfig()
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help=f"larger request bodies get 413 (default {d.max_body_bytes})")
@@ -98,8 +92,6 @@ def add_limit_args(p) -> None:
 
 
 def register(sub) -> None:
-    from .common import add_model_args
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                        description="POST /v1/completions, /v1/chat/completions (SSE with stream=true), "
                                    "GET /v1/models, /health, /metrics.")

@@ -1,0 +1,94 @@
+"""`castspec diagnose-drafter`, `draft-vocab` and `eval-drafter`: look at a trained drafter (accuracy per block
+position against n-gram baselines, R in real decoding) and give it a smaller head (a draft vocabulary)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..engine import DTYPES, load
+from ..models.draft_vocab import coverage, save_draft_vocab, token_counts, top_tokens
+from ..models.load import load_drafter, load_target
+from ..train.datagen import load_records, shard_files
+from ..train.diagnose import diagnose
+from ..train.evaluate import evaluate_drafter
+from .common import UserError, print_report, writable_dir
+
+
+def cmd_diagnose_drafter(args) -> int:
+    data = Path(args.data)
+    if not shard_files(data):
+        raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` first")
+    loaded = load_target(args.target, dtype=DTYPES[args.dtype])
+    drafter = load_drafter(Path(args.drafter), loaded.model)
+    with torch.inference_mode():
+        report = diagnose(loaded.model, drafter, load_records(data), args.test_records)
+    return print_report(report, args.out)
+
+
+def cmd_draft_vocab(args) -> int:
+    drafter_dir, data = Path(args.drafter), Path(args.data)
+    if not (drafter_dir / "config.json").is_file():
+        raise UserError(f"{drafter_dir} is not a drafter directory (no config.json)")
+    if not shard_files(data):
+        raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` first")
+    loaded = load_target(args.target)
+    load_drafter(drafter_dir, loaded.model)  # refuse a drafter made for another target before writing anything
+    vocab = loaded.model.cfg.vocab_size
+    if not 0 <= args.size <= vocab:
+        raise UserError(f"--size must be between 1 and the vocabulary size {vocab} (or 0: the whole vocabulary)")
+    writable_dir(drafter_dir)
+    if args.size == 0 or args.size == vocab:
+        save_draft_vocab(drafter_dir, None)
+        return print_report({"drafter": str(drafter_dir), "draft_vocab": "full"})
+    records = load_records(data)
+    ids = top_tokens(token_counts(records, vocab), args.size, tuple(loaded.model.cfg.eos_token_ids))
+    save_draft_vocab(drafter_dir, ids)
+    report = {"drafter": str(drafter_dir), "draft_vocab": len(ids), "train_coverage": coverage(records, ids)}
+    held = sorted(data.glob("heldout-*.pt"))
+    if held:  # the prompts training never saw: what decoding on new prompts will meet
+        report["heldout_coverage"] = coverage(torch.load(held[-1], weights_only=True), ids)
+    return print_report(report)
+
+
+def cmd_eval_drafter(args) -> int:
+    engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)
+    if engine.drafter is None:
+        raise UserError("no drafter to evaluate: pass --drafter DIR")
+    report = evaluate_drafter(engine, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
+                              widths=[int(w) for w in args.widths.split(",")])
+    return print_report(report, args.out)
+
+
+def register(sub) -> None:
+    g = sub.add_parser("diagnose-drafter", help="teacher-forced accuracy per block position vs n-gram baselines",
+                       description="On records of a make-data dataset: the drafter's top-1 accuracy at each block "
+                                   "position and the top-1 accuracy of unigram/bigram/trigram tables counted on "
+                                   "the other records (JSON).")
+    g.add_argument("--data", required=True, help="dataset directory from make-data")
+    g.add_argument("--drafter", required=True)
+    g.add_argument("--target", default=None)
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    g.add_argument("--test-records", type=int, default=200)
+    g.add_argument("--out", default=None)
+    g.set_defaults(func=cmd_diagnose_drafter)
+
+    v = sub.add_parser("draft-vocab", help="score only the tokens the target writes most (a faster drafter head)",
+                       description="Write DRAFTER/draft_vocab.safetensors: the SIZE most frequent tokens of the "
+                                   "target's responses in a make-data dataset (plus its stop tokens). The drafter "
+                                   "head then reads only those rows of the lm_head; decoding stays exact.")
+    v.add_argument("--drafter", required=True, help="drafter directory (public DFlash layout)")
+    v.add_argument("--data", required=True, help="dataset directory from make-data")
+    v.add_argument("--size", type=int, default=16384, help="tokens to keep; 0 removes the draft vocabulary")
+    v.add_argument("--target", default=None)
+    v.set_defaults(func=cmd_draft_vocab)
+
+    e = sub.add_parser("eval-drafter", help="R of chain and cast on the held-out prompts, per domain (JSON)")
+    e.add_argument("--drafter", required=True)
+    e.add_argument("--target", default=None)
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--per-domain", type=int, default=10)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--widths", default="15,31,63")
+    e.add_argument("--out", default=None, help="also write the JSON here")
+    e.set_defaults(func=cmd_eval_drafter)
