@@ -1,13 +1,16 @@
 """The benchmark harness end to end on a tiny model, and its statistics on synthetic data."""
 import json
+import sys
 
 import numpy as np
 import pytest
 
+from castspec.bench import engine as engine_bench
+from castspec.bench.harness import MethodSpec, builtin_prompts
 from castspec.bench.stats import paired_bootstrap
 from castspec.cli import main
 from castspec.models.load import save_drafter
-from conftest import llama_config, make_hf, native, random_drafter
+from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
 
 def test_bootstrap_known_answer():
@@ -70,10 +73,6 @@ def test_bench_bad_input(bench_dirs, capsys):
 
 
 def test_hub_domains_fail_clearly_offline(monkeypatch):
-    import sys
-
-    from castspec.bench.harness import builtin_prompts
-
     monkeypatch.setitem(sys.modules, "datasets", None)  # as on a machine without the library
     with pytest.raises(ValueError, match="needs the `datasets` library"):
         builtin_prompts(["mbpp"], 2)
@@ -84,8 +83,6 @@ def test_hub_domains_fail_clearly_offline(monkeypatch):
 
 
 def test_method_specs():
-    from castspec.bench.harness import MethodSpec
-
     assert MethodSpec.parse("cast:auto+cal") == MethodSpec("cast", "auto", calibrate=True)
     assert MethodSpec.parse("cast:auto+cal").label == "cast@auto+cal"
     assert MethodSpec.parse("cast:7").label == "cast@7" and MethodSpec.parse("cast").width == "auto"
@@ -95,9 +92,6 @@ def test_method_specs():
 
 def test_engine_benchmark_end_to_end(tmp_path):
     """`python -m castspec.bench.engine` on a tiny HF directory: every figure it reports is there and sane."""
-    from castspec.bench import engine as engine_bench
-    from conftest import tiny_tokenizer
-
     make_hf(llama_config(vocab=24)).save_pretrained(tmp_path / "target")
     tiny_tokenizer(24).save_pretrained(tmp_path / "target")
     out = tmp_path / "engine.json"

@@ -5,6 +5,7 @@ from io import StringIO
 import pytest
 import torch
 
+import castspec.cli.demo
 from castspec.cli import main
 from castspec.cli.demo import ExactnessError, first_difference, run_demo
 from castspec.engine import Engine
@@ -82,8 +83,6 @@ def test_demo_command_exits_zero_when_exact(model_dirs, capsys):
 
 
 def test_demo_command_exits_nonzero_on_an_fp32_difference(monkeypatch, capsys):
-    import castspec.cli.demo
-
     monkeypatch.setattr(castspec.cli.demo, "load_engine", lambda args: tiny_engine(WrongCast))
     code = main(["demo", "--max-new-tokens", "6", "--width", "3"])
     err = capsys.readouterr().err

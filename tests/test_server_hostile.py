@@ -1,6 +1,7 @@
 """Hostile and careless input: every case gets its 4xx with a message that names the problem, /health keeps
 answering within a second while the bad request is handled, and other requests' outputs stay exact."""
 import asyncio
+import gc
 import json
 import random
 import threading
@@ -8,10 +9,13 @@ import time
 
 import httpx
 import pytest
+import torch
+from fastapi.testclient import TestClient
 
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.engine import Engine
+from castspec.sequence import Sequence
 from castspec.serving.live import LiveServer
 from castspec.serving.scheduler import Request, Scheduler, SchedulerConfig
 from castspec.serving.frontend import ServerConfig
@@ -195,8 +199,6 @@ def test_chat_template_kwargs_reach_the_template_and_nothing_else(engine):
 def test_a_failing_sequence_inside_a_batched_round_fails_alone(engine):
     """A request whose rows break the shared forward (here a prompt holding a tensor, what `return_tensors`
     used to let through) gets an error; the others in its round keep their exact outputs."""
-    import torch
-
     sched = Scheduler(engine.target, engine.drafter, SchedulerConfig(max_batch=4, policy="shared", width=12))
     prompts = [[4, 5, 6], [7, 8], [9, 10, 11]]
     truth = [engine.tokenizer.encode(ar_text(engine, p, 20)) for p in prompts]
@@ -290,12 +292,6 @@ def test_server_config_refuses_nonsense_limits():
 def test_finished_requests_free_their_caches_without_waiting_for_the_garbage_collector(engine):
     """No reference cycle holds a finished request's Sequence (and its KV caches): with the cyclic collector off,
     20 finished requests leave at most the last one behind."""
-    import gc
-
-    from fastapi.testclient import TestClient
-
-    from castspec.sequence import Sequence
-
     sched = engine.scheduler(SchedulerConfig(max_batch=4, policy="shared", width=16), "cast")
     gc.collect()
     gc.disable()

@@ -1,14 +1,19 @@
 """Drafter training: block layout vs brute force, a tiny end-to-end run, exact resume, bad input."""
+import json
+
 import pytest
 import torch
 
+from castspec.cli import main
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.models.load import load_drafter
 from castspec.train.blocks import block_inputs, block_mask, chain_acceptance, parse_window_schedule, window_at
 from castspec.train.datagen import batched_generate
+from castspec.train.diagnose import diagnose, ngram_baselines
+from castspec.train.replay import committed_per_round, replay_r
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
-    init_drafter, sequence_loss, train)
+    init_drafter, scale_fc_init, sequence_loss, target_features, train)
 from conftest import llama_config, make_hf, native
 
 
@@ -39,8 +44,6 @@ def test_window_schedule():
 
 
 def test_bad_context_window_is_a_one_line_error(tmp_path, capsys):
-    from castspec.cli import main
-
     assert main(["train-drafter", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
                  "--context-window", "8"]) == 2
     assert "--context-window" in capsys.readouterr().err
@@ -113,8 +116,6 @@ def test_every_drafter_parameter_gets_a_gradient(tiny_data):
 
 
 def test_scaled_fc_init_evens_out_feature_sizes(tiny_data):
-    from castspec.train.trainer import scale_fc_init, target_features
-
     target, records = tiny_data
     cfg = tiny_config()
     drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
@@ -152,8 +153,6 @@ def test_bad_training_input(tiny_data, tmp_path):
 
 
 def test_replay_round_matches_greedy_walk():
-    from castspec.train.replay import committed_per_round
-
     logprobs = torch.log_softmax(torch.tensor([[3.0, 2.0, 0, 0, 0], [0, 3.0, 2.0, 0, 0], [0, 0, 3.0, 0, 2.0]]), -1)
     # chain proposes 0,1,2; the target continues 0,1,4,...: chain commits 2 accepted + 1 = 3
     assert committed_per_round(logprobs, [0, 1, 4, 3], None, 2) == 3
@@ -164,8 +163,6 @@ def test_replay_round_matches_greedy_walk():
 
 
 def test_replay_r_runs_on_a_trained_drafter(tiny_data, tmp_path):
-    from castspec.train.replay import replay_r
-
     target, records = tiny_data
     train(target, records, tmp_path, tiny_config(steps=10), ROPE, progress=False)
     drafter = load_drafter(tmp_path / "drafter", target, dtype=torch.float32)
@@ -179,8 +176,6 @@ def test_replay_r_runs_on_a_trained_drafter(tiny_data, tmp_path):
 
 
 def test_initialization_options_and_warm_start(tiny_data, tmp_path):
-    from castspec.train.trainer import drafter_config_for, init_drafter
-
     target, records = tiny_data
     dcfg = drafter_config_for(target, tiny_config(), ROPE)
     d = init_drafter(target, dcfg, from_target=True, seed=0, norm_init="target")
@@ -203,8 +198,6 @@ def test_initialization_options_and_warm_start(tiny_data, tmp_path):
 
 
 def test_ngram_baselines_known_answer():
-    from castspec.train.diagnose import ngram_baselines
-
     train = [{"prompt_ids": [9], "response_ids": [1, 2, 3, 1, 2, 3, 1, 2]}]
     test = [{"prompt_ids": [9], "response_ids": [1, 2, 3, 1]}]
     out = ngram_baselines(train, test)
@@ -213,9 +206,6 @@ def test_ngram_baselines_known_answer():
 
 
 def test_diagnose_drafter(tiny_data, tmp_path, capsys):
-    from castspec.cli import main
-    from castspec.train.diagnose import diagnose
-
     target, records = tiny_data
     train(target, records, tmp_path / "run", tiny_config(steps=4), ROPE, progress=False)
     drafter = load_drafter(tmp_path / "run" / "drafter", target, dtype=torch.float32)
@@ -230,10 +220,6 @@ def test_diagnose_drafter(tiny_data, tmp_path, capsys):
 
 
 def test_draft_vocab_command(tiny_data, tmp_path, capsys):
-    import json
-
-    from castspec.cli import main
-
     target, records = tiny_data
     make_hf(llama_config(vocab=32, num_hidden_layers=4), seed=3).save_pretrained(tmp_path / "target")
     (tmp_path / "data" / "shards").mkdir(parents=True)

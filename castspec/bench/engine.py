@@ -18,8 +18,12 @@ from pathlib import Path
 from statistics import mean, median
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..engine import load
+from ..models.load import resolve_target_dir, rope_parameters_of
 from ..round import synchronize
+from ..train.trainer import TrainConfig, drafter_config_for, init_drafter
 
 PROMPTS = ["Write a Python function that merges two sorted lists.",
            "Explain how vaccines train the immune system.",
@@ -130,11 +134,6 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtypes", default="bf16,fp32")
     args = ap.parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
-    import castspec
-    from ..models.load import resolve_target_dir
-
     device = torch.device(args.device)
     hf_dir = resolve_target_dir(args.target)
     report = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -144,7 +143,7 @@ def main(argv=None) -> int:
         report["gpu"] = torch.cuda.get_device_name(device)
     for name in args.dtypes.split(","):
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-        engine = castspec.load(target=args.target, dtype=name, drafter=args.drafter, device=args.device)
+        engine = load(target=args.target, dtype=name, drafter=args.drafter, device=args.device)
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.target.parameters())
         rows = []
@@ -154,8 +153,8 @@ def main(argv=None) -> int:
         for text in PROMPTS[:args.prompts]:
             ids = engine.encode(messages=[{"role": "user", "content": text}])
             hf_ms = hf_ms_per_token(hf, ids, args.tokens)
-            # the read rate of this shared machine swings between ~30 and ~55 GB/s with its neighbours' load:
-            # each run is compared with the rate read just before and just after it, `--repeats` times
+            # on a shared machine the read rate swings with the neighbours' load: each run is compared with
+            # the rate read just before and just after it, `--repeats` times
             runs = []
             for _ in range(args.repeats):
                 bw_before = bandwidth_gbps(device, repeats=5)
@@ -175,11 +174,6 @@ def main(argv=None) -> int:
                  "bandwidth_floor_ms": floor, "ratio_to_floor": ratio, "gemv_ms": gemv,
                  "gemv_best_ratio_to_floor": gemv["best"] / gemv_floor, "per_prompt": rows}
         if engine.drafter is None:
-            from transformers import AutoConfig
-
-            from ..models.load import rope_parameters_of
-            from ..train.trainer import TrainConfig, drafter_config_for, init_drafter
-
             rope = rope_parameters_of(AutoConfig.from_pretrained(hf_dir))
             dcfg = drafter_config_for(engine.target, TrainConfig(), rope)
             engine.drafter = init_drafter(engine.target, dcfg, False, 0).converted(dtype, device)

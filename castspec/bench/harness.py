@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..models.load import resolve_target_dir
+from ..prompts import MATH_HELDOUT_SEED, Prompt, humaneval, math_problems, mtbench
 from .stats import paired_bootstrap, ratio_of_rates
 
 DEFAULT_MAX_NEW = {"code": 256, "math": 256, "chat": 256}
@@ -56,8 +58,6 @@ class MethodSpec:
 def builtin_prompts(domains: list[str], n: int) -> list[BenchPrompt]:
     """First n prompts of each domain in dataset order: HumanEval (code), MT-Bench turn 1 (chat), and math from
     GSM8K through `datasets` when the hub is reachable, else our held-out templated problems."""
-    from ..prompts import MATH_HELDOUT_SEED, humaneval, math_problems, mtbench
-
     out = []
     for d in domains:
         if d == "code":
@@ -88,9 +88,7 @@ HUB_SETS = {
 def hub_prompts(name: str, n: int):
     """The first n prompts of a hub dataset through `datasets`, or None where the library or hub is unavailable."""
     try:
-        from datasets import load_dataset
-
-        from ..prompts import Prompt
+        from datasets import load_dataset  # deferred: an optional package, needed by these sets alone
 
         repo, config, split, field_name, domain = HUB_SETS[name]
         ds = load_dataset(repo, config, split=split) if config else load_dataset(repo, split=split)
@@ -218,9 +216,8 @@ class BenchConfig:
 def run_bench(engine, prompts: list[BenchPrompt], cfg: BenchConfig, progress: bool = True) -> dict:
     hf = None
     if any(m.name.startswith("hf") for m in cfg.methods):
+        # deferred: only the transformers baselines need it, and it is slow to import
         from transformers import AutoModelForCausalLM
-
-        from ..models.load import resolve_target_dir
 
         hf = AutoModelForCausalLM.from_pretrained(resolve_target_dir(engine.source), dtype=engine.dtype).eval()
     # warm-up: one-time kernel compilation must not land in the first measured prompt
@@ -310,7 +307,7 @@ def markdown(report: dict) -> str:
 
 
 def plots(report: dict, out_dir: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # deferred: imported only to draw, since it is slow to import
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

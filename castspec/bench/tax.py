@@ -10,15 +10,21 @@ tokens all three ways (checked), so per-token times compare like with like:
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
 import time
+from pathlib import Path
 
 import httpx
+import torch
 
 from ..config import DecodeConfig
+from ..engine import Engine
+from ..models.load import build_target
 from ..serving.frontend import ServerConfig
+from ..serving.live import LiveServer
 from ..serving.scheduler import Request, SchedulerConfig
 from ..serving.server import create_app
 
@@ -75,8 +81,6 @@ def measure_tax(engine, prompts: list[list[int]], method: str = "ar", max_tokens
                 width: int = 15, repeats: int = 1) -> dict:
     """Per prompt and repeat: engine, in-process scheduler and HTTP server, interleaved; medians and ratios.
     The engine decodes with the width the policy gives one request: the cost rule ("auto") or `width`."""
-    from ..serving.live import LiveServer
-
     engine_width = "auto" if policy == "cost" else width
     if engine.tokenizer is None:
         raise ValueError("the serving tax is timed on streamed text: the target needs a tokenizer")
@@ -126,14 +130,11 @@ def measure_tax(engine, prompts: list[list[int]], method: str = "ar", max_tokens
 
 
 def small_engine():
-    """A random Llama of a few ms per step (6 layers, 256 wide, 4,096-token word-level vocabulary): the server's
-    fixed per-token costs show against a step this short."""
-    import torch
+    """A small random Llama (6 layers, 256 wide, 4,096-token word-level vocabulary): its step is short, so the
+    server's fixed per-token costs show against it."""
+    # deferred: only this script's own model needs them, and transformers is slow to import for `castspec loadtest`
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from ..engine import Engine
-    from ..models.load import build_target
 
     torch.manual_seed(1)
     cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
@@ -148,9 +149,6 @@ def small_engine():
 
 
 if __name__ == "__main__":  # python -m castspec.bench.tax [--out FILE]: the small model, ar, 4 prompts x 2
-    import argparse
-    from pathlib import Path
-
     p = argparse.ArgumentParser(description="serving tax on a small random model (castspec loadtest --tax for "
                                             "real models)")
     p.add_argument("--out", default=None)

@@ -1,14 +1,19 @@
 """Request body -> (token ids, DecodeConfig): every limit and check of a server, as one blocking call that any ingress
-(the FastAPI app, the Ray Serve ingress) runs off its event loop.
+(the FastAPI app in server.py, the Ray Serve ingress in ray_serve.py) runs off its event loop.
+
+`ServerConfig` holds what a server accepts; `Frontend.prepare` parses the JSON (protocol.py's models), checks the
+limits, tokenizes (chat templates included) and builds the DecodeConfig; a refusal is an `ApiError` with its
+HTTP status. The frontend also turns log-probabilities into OpenAI's JSON shapes.
 """
 from __future__ import annotations
 
 import inspect
 import json
-import logging
 import math
 from dataclasses import dataclass, replace
 
+import jinja2
+from jinja2 import meta
 from pydantic import ValidationError
 
 from ..config import ConfigError, DecodeConfig
@@ -16,8 +21,6 @@ from ..sampling import choice_seed
 from ..sequence import ContextLengthError, check_request
 from .protocol import ApiError, ChatBody, CompletionBody, finite_logprob, text_chars, validation_message
 from .textstream import TextStream
-
-log = logging.getLogger("castspec.server")
 
 
 @dataclass
@@ -218,9 +221,6 @@ class Frontend:
         """The variables a chat template reads (the tokenizer's own when `template` is None)."""
         key = template if template is not None else ""
         if key not in self._template_vars:
-            import jinja2
-            from jinja2 import meta
-
             tok = self.engine.tokenizer
             sources = [template] if template is not None else (
                 list(tok.chat_template.values()) if isinstance(getattr(tok, "chat_template", None), dict)

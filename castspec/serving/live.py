@@ -1,5 +1,5 @@
-"""A server to load-test on this machine: in this process on a free loopback port (`LiveServer`) or as a `castspec
-serve` child process (`ServeProcess`).
+"""A server to talk to on this machine: an ASGI app in this process on a free loopback port (`LiveServer`: load
+tests, the serving tax, the tests) or `castspec serve` as a child process (`ServeProcess`: the soak test).
 """
 from __future__ import annotations
 
@@ -13,19 +13,23 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class LiveServer:
     """Serve an ASGI app with uvicorn on a free loopback port in a background thread."""
 
     def __init__(self, app):
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, name="castspec-loadtest-server", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, name="castspec-live-server", daemon=True)
 
     def __enter__(self) -> str:
         self.thread.start()
@@ -50,12 +54,6 @@ def check_loopback(url: str) -> str:
     if host not in LOOPBACK:
         raise ValueError(f"--url must point at this machine ({', '.join(LOOPBACK)}), got host {host!r}")
     return url.rstrip("/")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServeProcess:

@@ -1,14 +1,14 @@
-"""`castspec loadtest`: drive the HTTP server over loopback and compare allocation policies under load.
+"""Load generators for a running server (over loopback), the reports they make and their plots.
 
-For every policy spec and concurrency level B the command starts the server in-process (max batch = B) on a free
-loopback port, sends held-out chat prompts with B clients in parallel (fixed concurrency) or as Poisson
-arrivals (--rate), streams every answer (time to first token, latency, tokens) and reads /metrics afterwards.
-Bounded in count (--requests) and time (--time-limit). Writes JSON (and a PNG).
+- `run_load`: chat requests, all streamed, from B clients in parallel (fixed concurrency) or as Poisson arrivals;
+  time to first token, latency, goodput, and what /metrics says the server did meanwhile (committed tokens per
+  round, batch sizes). `summarize` compares allocation policies per concurrency level.
+- `run_soak`: one long mixed load (streaming and not, chat and completions, greedy and seeded sampling, a share
+  of streams abandoned by their clients), with /metrics read as it runs: errors, p50/p99, what is still running
+  or queued afterwards, the server's resident memory over the run.
 
-`--soak` instead runs one long mixed load against a real `castspec serve` process on 127.0.0.1: streaming and
-non-streaming, chat and completions, greedy and seeded sampling, a share of streams abandoned by their clients.
-It reports errors, p50/p99 latency, what is still running or queued afterwards, the server's resident memory
-over the run, and how long the server takes to exit on SIGTERM.
+`castspec loadtest` (castspec/cli/loadtest.py) starts the servers, picks the policies and writes the reports.
+Bounded in count (requests) and time (time_limit).
 """
 from __future__ import annotations
 
@@ -249,12 +249,18 @@ def soak_report(results: list[dict], samples: list[dict], before: dict, after: d
     }
 
 
-def plot_soak(report: dict, path: Path) -> None:
+def _pyplot():
+    """matplotlib's pyplot drawing to files; imported only to draw, since it is slow to import."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_soak(report: dict, path: Path) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([s["done"] for s in report["samples"]], [s["rss_mb"] for s in report["samples"]], marker=".")
     ax.set_xlabel("requests done")
@@ -282,11 +288,7 @@ def summarize(results: list[dict]) -> dict:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for pol in dict.fromkeys(r["policy"] for r in results):
         rows = sorted((r for r in results if r["policy"] == pol), key=lambda r: r["concurrency"])

@@ -1,10 +1,11 @@
-"""The server's metrics in Prometheus' text format."""
+"""The server's /metrics: a scheduler metrics snapshot (Scheduler.metrics) as Prometheus text, and the process's
+resident memory that goes with it. Shared by the FastAPI app and the Ray Serve ingress (which adds up replicas)."""
 from __future__ import annotations
+
+import psutil
 
 
 def resident_bytes() -> int:
-    import psutil
-
     return psutil.Process().memory_info().rss
 
 

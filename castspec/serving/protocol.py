@@ -1,4 +1,6 @@
-"""The OpenAI request bodies this server accepts (pydantic) and its error answers."""
+"""The OpenAI wire format this server speaks: the request bodies it accepts (pydantic models that refuse unknown
+fields), its error answers (`ApiError` and OpenAI's error JSON), and the checks on raw JSON that pydantic cannot make
+(text that is not valid Unicode, its length before tokenizing)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +10,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 
-INT64 = 2 ** 63
+INT64 = 2 ** 63  # seeds are 64-bit signed integers
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default limit)
 
 
 def finite_logprob(value: float) -> float:
@@ -19,9 +22,6 @@ def finite_logprob(value: float) -> float:
 def finite(default: float, **bounds):
     """A float field that must be a finite number (JSON parsers accept NaN and Infinity)."""
     return Field(default=default, allow_inf_nan=False, **bounds)
-
-
-MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default limit)
 
 
 class StreamOptions(BaseModel):
@@ -102,6 +102,8 @@ class ChatBody(SamplingFields):
 
 
 class ApiError(Exception):
+    """A refused request: its HTTP status, the message for the client and OpenAI's error type."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind

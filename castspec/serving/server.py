@@ -5,10 +5,12 @@ GET /health, GET /metrics (Prometheus text; ?format=json for JSON). The schedule
 each request gets an asyncio queue that the scheduler feeds through the event loop, so a slow or vanished
 client only ever affects its own request.
 
-A request body becomes (token ids, DecodeConfig) in `Frontend.prepare`, a plain blocking call that any ingress
-can run (here: on a worker thread, so that parsing, tokenizing and template rendering never hold up the event
-loop). Every check that can refuse a request runs there, before admission; `InFlight` ends what is still
-running when a shutdown deadline passes.
+A request body becomes (token ids, DecodeConfig) in `Frontend.prepare` (frontend.py), a plain blocking call that
+any ingress can run (here: on a worker thread, so that parsing, tokenizing and template rendering never hold up the
+event loop). Every check that can refuse a request runs there, before admission. This module holds the rest of the
+HTTP side: the bridge from scheduler callbacks to the event loop (`Handle`), the answers (JSON or SSE) built from
+what a request's handle receives, the shutdown drain (`InFlight` ends what is still running when the deadline
+passes) and uvicorn (`run_server`). The wire format is in protocol.py, /metrics in metrics.py.
 """
 from __future__ import annotations
 
@@ -56,6 +58,16 @@ class Handle:
     def end(self, message: str) -> None:
         """End the request now (on the event loop): its handler answers 503 or an SSE error event."""
         self.queue.put_nowait(("done", ("shutdown", message)))
+
+
+@dataclass(eq=False)
+class Choice:
+    """One continuation of a request: its scheduler request, the handle it reports through, its text."""
+
+    index: int
+    handle: Handle
+    req: SchedRequest
+    text: TextStream
 
 
 class InFlight:
@@ -224,16 +236,6 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
         return await serve(http, chat=True)
 
     return app
-
-
-@dataclass(eq=False)
-class Choice:
-    """One continuation of a request: its scheduler request, the handle it reports through, its text."""
-
-    index: int
-    handle: Handle
-    req: SchedRequest
-    text: TextStream
 
 
 def usage(job: Prepared, choices: list[Choice]) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from collections import Counter, defaultdict
 
+from .replay import replay_r
+
 
 def ngram_baselines(train: list[dict], test: list[dict], orders=(1, 2, 3)) -> dict:
     """Top-1 accuracy on `test` responses of "the most frequent next token after the previous n-1 tokens",
@@ -32,8 +34,6 @@ def ngram_baselines(train: list[dict], test: list[dict], orders=(1, 2, 3)) -> di
 
 
 def diagnose(target, drafter, records: list[dict], test_records: int = 200, seed: int = 0) -> dict:
-    from .replay import replay_r
-
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     test = [records[i] for i in order[:test_records]]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..config import DrafterConfig, default_tap_layers
@@ -29,7 +30,7 @@ from .blocks import (block_inputs, block_mask, chain_acceptance, decay_weights, 
     window_at)
 from .distributed import Ranks
 
-log = logging.getLogger("castspec")
+log = logging.getLogger("castspec.train")
 
 
 class TrainError(RuntimeError):
@@ -138,10 +139,6 @@ def scale_fc_init(target: Decoder, drafter: DFlashDrafter, records: list[dict], 
 
 def warm_start(drafter: DFlashDrafter, path: Path) -> None:
     """Copy the weights of an existing drafter with the same configuration (fine-tuning on new data)."""
-    from safetensors.torch import load_file
-
-    from ..config import DrafterConfig
-
     try:
         other = DrafterConfig.from_json(json.loads((path / "config.json").read_text()))
         weights = load_file(path / "model.safetensors")
