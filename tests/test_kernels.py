@@ -1,10 +1,20 @@
-"""CPU linears: the packed oneDNN path and castspec's own few-row kernels, against torch; fallbacks."""
+"""CPU linears: the packed oneDNN path and castspec's own few-row kernels, against torch; fallbacks; the
+native library's build cache and load checks. The native tests run the real library on AVX-512 BF16 CPUs and
+the emulated one elsewhere (native_support)."""
+import ctypes
+import logging
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from castspec import env
+from castspec.native import abi
 from castspec.native import build as native
 from castspec.native.linear import WeightPack, linear, packing_available
+from native_support import mode as native_mode
+from native_support import native_library
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,13 +53,14 @@ def test_gradients_bypass_the_pack():
     assert w.grad is not None and w.grad.abs().sum() > 0
 
 
-needs_native = pytest.mark.skipif(native.library() is None, reason="no AVX-512 BF16 CPU or no C compiler here")
+@pytest.fixture
+def lib(monkeypatch):
+    yield from native_library(monkeypatch)
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inner", [24, 83, 576])  # tails of every length, and a real hidden size
-def test_native_kernels_match_torch(dtype, inner):
+def test_native_kernels_match_torch(lib, dtype, inner):
     g = torch.Generator().manual_seed(inner)
     w = torch.randn(37, inner, generator=g).to(dtype)
     x = torch.randn(native.MAX_ROWS[dtype], inner, generator=g).to(dtype)
@@ -67,19 +78,78 @@ def test_native_kernels_match_torch(dtype, inner):
 
 
 def test_native_kernels_fall_back_cleanly(monkeypatch, tmp_path, caplog):
+    mode = native_mode()  # where a native library could run here, real or emulated
     native.library.cache_clear()
     try:
         monkeypatch.setenv("CASTSPEC_NATIVE", "0")
         assert native.library() is None and native.skinny_linear(torch.randn(1, 8), torch.randn(4, 8)) is None
         native.library.cache_clear()
-        monkeypatch.setenv("CASTSPEC_NATIVE", "1")
+        monkeypatch.setenv("CASTSPEC_NATIVE", mode or "1")
         monkeypatch.setenv("CASTSPEC_CACHE", str(tmp_path))
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         assert native.library() is None  # on any CPU: no build, a warning, torch's kernels
-        if native.cpu_supported():
+        if mode is not None:
             assert "native kernels unavailable" in caplog.text
         x, w = torch.randn(1, 8), torch.randn(4, 8)
         with torch.inference_mode():
             torch.testing.assert_close(linear(x, w, None, WeightPack()), F.linear(x, w), rtol=1e-5, atol=1e-5)
     finally:
         native.library.cache_clear()
+
+
+def test_build_cache_key_covers_mode_and_compiler(lib):
+    """One library per mode and compiler (path and --version): a compiler upgrade builds anew."""
+    mode = env.native_mode()
+    assert native._library_path(mode, *native._compiler()).exists()
+    assert native._library_path(mode, "/usr/bin/cc", "cc 1.0") != native._library_path(mode, "/usr/bin/cc", "cc 1.1")
+    assert native._library_path(mode, "/usr/bin/cc", "v") != native._library_path(mode, "/opt/bin/cc", "v")
+    other = "emulate" if mode != "emulate" else "on"
+    assert native._library_path(mode, "cc", "v") != native._library_path(other, "cc", "v")
+
+
+def _builds_by_copying(monkeypatch, good):
+    """native._build replaced by a copy of a good library (no compiler run); returns the list of builds."""
+    builds = []
+
+    def build(out, mode, compiler):
+        builds.append(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(good, out)
+
+    monkeypatch.setattr(native, "_build", build)
+    return builds
+
+
+def test_a_broken_cached_library_is_rebuilt_once(lib, monkeypatch, tmp_path, caplog):
+    """A cached file that does not load (truncated, say) is rebuilt, then loads and passes its checks."""
+    good = native._library_path(env.native_mode(), *native._compiler())
+    monkeypatch.setenv("CASTSPEC_CACHE", str(tmp_path))
+    path = native._library_path(env.native_mode(), *native._compiler())
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    builds = _builds_by_copying(monkeypatch, good)
+    native.library.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="castspec"):
+        assert native.library() is not None
+    assert builds == [path] and "castspec" not in caplog.text
+
+
+def test_struct_size_mismatch_disables_the_library(lib, monkeypatch, tmp_path, caplog):
+    """A struct that differs between C and native/abi.py (here: a field added on the Python side only) is
+    reported and the native code is not used, after one rebuild."""
+    assert abi.size_mismatches(lib) == []
+
+    class Grown(ctypes.Structure):
+        _fields_ = [*abi.Segment._fields_, ("extra", ctypes.c_int64)]
+
+    monkeypatch.setitem(abi.SHARED, "Segment", Grown)
+    good = native._library_path(env.native_mode(), *native._compiler())
+    monkeypatch.setenv("CASTSPEC_CACHE", str(tmp_path))
+    cached = native._library_path(env.native_mode(), *native._compiler())
+    cached.parent.mkdir(parents=True)
+    shutil.copyfile(good, cached)
+    builds = _builds_by_copying(monkeypatch, good)
+    native.library.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="castspec"):
+        assert native.library() is None
+    assert len(builds) == 1 and "Segment: C" in caplog.text and "using torch's" in caplog.text

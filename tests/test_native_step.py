@@ -1,22 +1,29 @@
-"""Forwards of a few rows in native code (castspec/csrc/step.c) against the torch forward: decode steps,
-causal prefill chunks, packed trees; and the drafter's block pass (castspec/csrc/draft.c)."""
+"""Forwards of a few rows in native code (castspec/native/csrc/step.c) against the torch forward: decode steps,
+causal prefill chunks, packed trees; and the drafter's block pass (csrc/draft.c). The real library on AVX-512
+BF16 CPUs, the emulated one elsewhere (native_support); tiny models, since the emulated code is slow."""
+import copy
 import logging
 
 import pytest
 import torch
 
-from castspec.native import build as native
 from castspec.models.kvcache import Segment
+from castspec.native import build as native
 from castspec.native import forward as native_step
-from castspec.native.forward import NativeDraft, NativeStep
+from castspec.native.forward import NativeStep
 from castspec.pack import pack_tree
-from castspec.tree import build_tree
 from castspec.sequence import DraftState, propose_batch
+from castspec.tree import build_tree
 from conftest import llama_config, make_hf
 from conftest import native as native_target
 from conftest import qwen3_config, random_drafter
+from native_support import native_library
 
-needs_native = pytest.mark.skipif(native.library() is None, reason="no AVX-512 BF16 CPU or no C compiler here")
+
+@pytest.fixture
+def lib(monkeypatch):
+    yield from native_library(monkeypatch)
+
 
 CONFIGS = {
     "llama-tied-rope-scaling": lambda: llama_config(rope_scaling=True),
@@ -24,8 +31,9 @@ CONFIGS = {
 }
 
 
-def _torch_only(target):
-    target._native_step = None  # what _single_token reads: "does not apply"
+def _torch_only(model):
+    model.backend.use_torch()
+    return model
 
 
 def _prefilled(target, ids):
@@ -34,7 +42,7 @@ def _prefilled(target, ids):
     return cache
 
 
-@needs_native
+@pytest.mark.usefixtures("lib")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_native_step_matches_torch_forward(name, dtype):
@@ -57,27 +65,43 @@ def test_native_step_matches_torch_forward(name, dtype):
             for got, want in ((logits, want_logits), (feats, want_feats)):
                 torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
             assert logits.shape == (1, 1, cfg.vocab_size) and feats.shape == (1, 1, 2 * cfg.hidden_size)
-        assert isinstance(fast._native_step, NativeStep) and fast._native_step.checked
+        assert fast.backend.active and fast.backend.checked
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(c_fast.k, c_ref.k, rtol=tol, atol=tol)
         torch.testing.assert_close(c_fast.v, c_ref.v, rtol=tol, atol=tol)
 
 
-@needs_native
+def _decode_one(target):
+    """A prompt token and one decode step through `target` (what builds its native code)."""
+    cache = target.new_cache(8)
+    target(torch.tensor([[1]]), torch.tensor([[0]]), cache, 0, causal=True)
+    return target(torch.tensor([[2]]), torch.tensor([[1]]), cache, 1)
+
+
+@pytest.mark.usefixtures("lib")
 def test_native_step_applies_only_where_it_can(monkeypatch):
     with torch.inference_mode():
-        assert NativeStep.for_decoder(native_target(make_hf(llama_config()))) is not None
-        assert NativeStep.for_decoder(native_target(make_hf(qwen3_config(head_dim=24)))) is None  # not 16k
+        assert NativeStep.build(native_target(make_hf(llama_config()))) is not None
+        assert NativeStep.build(native_target(make_hf(qwen3_config(head_dim=24)))) is None  # not 16k
         target = native_target(make_hf(llama_config()))
-        target.new_cache(8)
-        target._native_step = NativeStep.for_decoder(target)
-        target.to("cpu")  # weights may have moved: the pointers are looked up again
-        assert target._native_step is False
+        _decode_one(target)
+        assert target.backend.active and target.backend.checked
+        target.to("cpu")  # weights may have moved: the native code is dropped and built again when next used
+        assert not target.backend.active and not target.backend.checked
+        _decode_one(target)
+        assert target.backend.active and target.backend.checked
+        copied = copy.deepcopy(target)  # a copy has its own weights: it builds its own native code
+        assert not copied.backend.active
+        torch.testing.assert_close(_decode_one(copied)[0], _decode_one(target)[0])
+        assert copied.backend.active
         monkeypatch.setattr(native, "library", lambda: None)
-        assert NativeStep.for_decoder(target) is None
+        assert NativeStep.build(target) is None
+        fresh = native_target(make_hf(llama_config()))
+        _decode_one(fresh)
+        assert not fresh.backend.active  # no library: the torch forward
 
 
-@needs_native
+@pytest.mark.usefixtures("lib")
 def test_native_step_reports_overflow():
     target = native_target(make_hf(llama_config()))
     cache = target.new_cache(4)
@@ -85,7 +109,7 @@ def test_native_step_reports_overflow():
         target(torch.tensor([[1]]), torch.tensor([[4]]), cache, 4)
 
 
-@needs_native
+@pytest.mark.usefixtures("lib")
 def test_disagreeing_native_step_turns_itself_off(monkeypatch, caplog):
     """The first native step is compared with torch's; a wrong one is reported once and never used."""
     calls = []
@@ -104,11 +128,11 @@ def test_disagreeing_native_step_turns_itself_off(monkeypatch, caplog):
             got, _ = target(torch.tensor([[9]]), torch.tensor([[slot]]), c1, slot)
             want, _ = ref(torch.tensor([[9]]), torch.tensor([[slot]]), c2, slot)
             torch.testing.assert_close(got, want)
-    assert calls == [0] and target._native_step is None  # the prompt's forward was the first native one
+    assert calls == [0] and not target.backend.active  # the prompt's forward was the first native one
     assert "disagrees" in caplog.text
 
 
-@needs_native
+@pytest.mark.usefixtures("lib")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_native_prefill_and_tree_match_torch(name, dtype):
@@ -141,12 +165,12 @@ def test_native_prefill_and_tree_match_torch(name, dtype):
             same(out[0][0], out[1][0])
             same(out[0][1], out[1][1])
             start += width + 1  # keep the tree in the cache: the next one attends over it (visible prefix)
-        assert fast._native_step.checked
+        assert fast.backend.checked
         same(caches[0].k[:, :, :, :start], caches[1].k[:, :, :, :start])
         same(caches[0].v[:, :, :, :start], caches[1].v[:, :, :, :start])
 
 
-@needs_native
+@pytest.mark.usefixtures("lib")
 def test_forwards_beyond_the_row_limit_run_on_torch(monkeypatch):
     calls = []
     real = NativeStep.__call__
@@ -165,7 +189,7 @@ def test_forwards_beyond_the_row_limit_run_on_torch(monkeypatch):
     assert calls == [1]
 
 
-@needs_native
+@pytest.mark.usefixtures("lib")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_drafter_pass_matches_torch(dtype):
     """Rounds of drafting through draft.c and through torch, two requests per pass: the same log-probabilities
@@ -173,7 +197,7 @@ def test_native_drafter_pass_matches_torch(dtype):
     target = native_target(make_hf(llama_config(vocab=64), seed=1), dtype)
     # blocks of 6 rows: two requests' blocks stay within the native row limit
     fast, ref = (random_drafter(target, block_size=6).converted(dtype) for _ in range(2))
-    ref._native = None  # torch only
+    _torch_only(ref)
     g = torch.Generator().manual_seed(2)
     width = len(fast.cfg.target_layer_ids) * target.cfg.hidden_size
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -190,14 +214,14 @@ def test_native_drafter_pass_matches_torch(dtype):
                 assert torch.equal(torch.isfinite(a), torch.isfinite(b))
                 seen = torch.isfinite(b)
                 torch.testing.assert_close(a[seen], b[seen], rtol=tol, atol=tol * b[seen].abs().max().item())
-        assert isinstance(fast._native, NativeDraft) and fast._native.checked
+        assert fast.backend.active and fast.backend.checked
         for a, b, n in zip(states[fast], states[ref], (10, 7)):
             assert a.cache.length == b.cache.length == n
             torch.testing.assert_close(a.cache.k[..., :n, :], b.cache.k[..., :n, :], rtol=tol, atol=tol)
             torch.testing.assert_close(a.cache.v[..., :n, :], b.cache.v[..., :n, :], rtol=tol, atol=tol)
 
 
-@needs_native
+@pytest.mark.usefixtures("lib")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_ragged_forward_matches_torch(dtype):
     """Several requests in one forward (serving): a decode row, a packed tree and a causal prompt chunk, each on
@@ -226,6 +250,6 @@ def test_native_ragged_forward_matches_torch(dtype):
             out[name] = model.forward_segments(ids, pos, segments, taps=(1,))
         for got, want in zip(out["fast"], out["ref"]):
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
-        assert fast._native_step.checked
+        assert fast.backend.checked
         for got, want in zip(caches["fast"], caches["ref"]):
             torch.testing.assert_close(got.k, want.k, rtol=tol, atol=tol)

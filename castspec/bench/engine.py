@@ -55,13 +55,13 @@ def gemv_ms(target, repeats: int = 6) -> dict:
     reads (compare with the bandwidth floor). Each matrix is timed inside a sweep over all of them, so its
     weights come from memory as in a real step; the minimum over repeats, since noise only ever adds time.
 
-    On CPU: `native` is castspec's own kernel (castspec/native.py, what the engine's native forwards run on),
+    On CPU: `native` is castspec's own kernel (castspec/native/build.py, what the engine's native forwards run on),
     `onednn` torch's oneDNN kernel on a pre-packed weight, `reduction` an inductor-compiled
     multiply-and-sum; elsewhere `torch` is F.linear. `best` takes the fastest kernel for every matrix."""
     import torch.nn.functional as F
 
     from ..native import build as native
-    from ..native.linear import WeightPack, _compiled_rowdot, packed_linear, packing_available
+    from ..native.linear import WeightPack, compiled_rowdot, packed_linear, packing_available
 
     # the matrices the forward multiplies: fused q|k|v and gate|up, o_proj, down_proj, the lm_head
     mats = [w for layer in target.model.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
@@ -75,7 +75,7 @@ def gemv_ms(target, repeats: int = 6) -> dict:
             kernels["native"] = lambda x, w, p: native.skinny_linear(x, w)
         if packing_available(target.dtype):
             kernels["onednn"] = lambda x, w, p: packed_linear(x, w, None, p)
-        rowdot = _compiled_rowdot()
+        rowdot = compiled_rowdot()
         if rowdot is not None:
             kernels["reduction"] = lambda x, w, p: rowdot(x, w.detach())  # plain tensors: one graph per dtype
     if not kernels:

@@ -9,8 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TargetConfig
-from ..native import forward as native_step
-from ..native.forward import NativeStep, applies, first_use
+from ..native.dispatch import NativeSwitch
 from ..native.linear import WeightPack, linear
 from .kvcache import KVCache, Segment, cache_dtype
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
@@ -45,11 +44,7 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         self.rope = RotaryTable(rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, dtype, device)
         self._head_pack = WeightPack()
-        self._native_step: NativeStep | None | bool = False  # False: not looked up yet; None: does not apply
-
-    def _apply(self, fn, *args, **kwargs):
-        self._native_step = False  # weights moved or changed dtype: step.c's pointers would be stale
-        return super()._apply(fn, *args, **kwargs)
+        self.backend = NativeSwitch.for_decoder()  # which code runs forward_segments: native or torch
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -95,11 +90,7 @@ class Decoder(nn.Module):
                          logit_rows: torch.Tensor | slice | None = None, taps: tuple[int, ...] = ()):
         """The ragged forward: the rows of ids/positions [B,T] are split, in order, into `segments`, each with
         its own cache, slots and mask (one request each when serving). Returns as `forward`."""
-        if len(set(taps)) == len(taps) and not torch.is_grad_enabled():
-            out = self._native_forward(ids, positions, segments, logit_rows, taps)
-            if out is not None:
-                return out
-        return self._torch_forward(ids, positions, segments, logit_rows, taps)
+        return self.backend.run(self, self._torch_forward, ids, positions, segments, logit_rows, taps)
 
     def _torch_forward(self, ids, positions, segments: list[Segment], logit_rows, taps: tuple[int, ...]):
         x = self.embed(ids)
@@ -116,30 +107,3 @@ class Decoder(nn.Module):
             features = torch.cat([tapped[order[t]] for t in taps], dim=-1)
         rows = x if logit_rows is None else x[:, logit_rows]
         return self.logits(rows), features
-
-    def _native_forward(self, ids, positions, segments: list[Segment], logit_rows, taps: tuple[int, ...]):
-        """The forward through step.c, returned as `forward_segments` does, or None where step.c does not apply
-        (the torch forward runs then): at most native_step.max_rows(dtype) rows in all, every segment with a
-        tree mask or the causal triangle on a cache step.c can write. The model's first native forward is
-        checked against the torch forward (native_step.first_use); a disagreement turns the native path off."""
-        M = ids.numel()
-        if not 0 < M <= native_step.max_rows(self.dtype) or ids.shape[0] != 1 or ids.device.type != "cpu":
-            return None
-        for seg in segments:
-            if (seg.mask is None and seg.length > 1 and not seg.causal) or not applies(seg.cache) \
-                    or (seg.mask is not None and seg.mask.dtype != torch.bool):
-                return None  # every row seeing every slot is no decoding pattern; float masks are not trees
-        if self._native_step is False:
-            self._native_step = NativeStep.for_decoder(self)
-        step = self._native_step
-        if step is None:
-            return None
-        rows = torch.arange(M) if logit_rows is None else torch.arange(M)[logit_rows].view(-1)
-        logits, features = step(ids.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), segments, rows,
-                                taps)
-        out = logits.unsqueeze(0), None if features is None else features.unsqueeze(0)
-        out, keep = first_use(step, out, lambda: self._torch_forward(ids, positions, segments, logit_rows, taps),
-                              self.dtype, "forward")
-        if not keep:
-            self._native_step = None
-        return out

@@ -13,8 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..config import DrafterConfig
-from ..native import forward as native_step
-from ..native.forward import NativeDraft, applies, first_use
+from ..native.dispatch import NativeSwitch
 from ..native.linear import WeightPack, linear
 from .kvcache import KVCache, cache_dtype
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
@@ -79,11 +78,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
         self._sub_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target head it came from, its rows)
         self._sub_pack = WeightPack()
-        self._native: NativeDraft | None | bool = False  # False: not looked up yet; None: does not apply
-
-    def _apply(self, fn, *args, **kwargs):
-        self._native = False  # weights moved or changed dtype: draft.c's pointers would be stale
-        return super()._apply(fn, *args, **kwargs)
+        self.backend = NativeSwitch.for_drafter()  # which code runs forward_segments: native or torch
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         self.draft_vocab = None if token_ids is None else token_ids.to(torch.long).to(self.fc.weight.device)
@@ -138,11 +133,7 @@ class DFlashDrafter(nn.Module):
     def forward_segments(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
                          ctx_pos: torch.Tensor, segments: list[DraftSegment]) -> torch.Tensor:
         """One pass for several requests: block and context rows are concatenated in segment order."""
-        if not torch.is_grad_enabled():
-            out = self._native_block(block_emb, block_pos, features, ctx_pos, segments)
-            if out is not None:
-                return out
-        return self._torch_forward(block_emb, block_pos, features, ctx_pos, segments)
+        return self.backend.run(self, self._torch_forward, block_emb, block_pos, features, ctx_pos, segments)
 
     def _torch_forward(self, block_emb, block_pos, features, ctx_pos, segments: list[DraftSegment]) -> torch.Tensor:
         ctx = self.fuse_context(features)
@@ -155,30 +146,3 @@ class DFlashDrafter(nn.Module):
             if seg.cache is not None:
                 seg.cache.length = seg.start + seg.ctx_length
         return self.norm(x)
-
-    def _native_block(self, block_emb, block_pos, features, ctx_pos, segments: list[DraftSegment]):
-        """The pass through csrc/draft.c when every request has a cache (decoding) and the blocks are few rows
-        in all, or None where it does not apply (the torch forward runs then). Its first use is checked against
-        the torch forward (native_step.first_use); a disagreement turns the native pass off."""
-        if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
-                or block_emb.shape[1] > native_step.max_rows(self.dtype):
-            return None  # several requests' blocks: oneDNN's blocked products win at that many rows
-        for seg in segments:
-            if seg.cache is None or seg.mask is not None or not applies(seg.cache) \
-                    or seg.start + seg.ctx_length + seg.block_length > seg.cache.capacity:
-                return None
-        if self._native is False:
-            self._native = NativeDraft.for_drafter(self)
-        native = self._native
-        if native is None:
-            return None
-        hidden = native(block_emb[0].to(self.dtype).contiguous(), block_pos.reshape(-1).contiguous(),
-                        features[0].to(self.dtype).contiguous(), ctx_pos.reshape(-1).contiguous(),
-                        segments).unsqueeze(0)
-        for seg in segments:
-            seg.cache.length = seg.start + seg.ctx_length
-        (hidden,), keep = first_use(native, (hidden,), lambda: (self._torch_forward(
-            block_emb, block_pos, features, ctx_pos, segments),), self.dtype, "drafter pass")
-        if not keep:
-            self._native = None
-        return hidden

@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..native.linear import WeightPack, linear
 
 # CUDA attention backends, cuDNN left out: it builds an execution plan for every new key length, and a decode
-# step's key length is always new (on an H200 in bf16 a cast round at N = 63 took 3.8x longer with it; README).
+# step's key length is always new (measured in docs/performance.md).
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -1,15 +1,22 @@
 """castspec's native code for AVX-512 CPUs, compiled at first use: csrc/skinny.c (matrix products of a few rows),
 and built on them csrc/step.c (whole target forwards of a few rows) and csrc/draft.c (the drafter's block pass),
-both from the layer pieces in csrc/layer.h; their Python side is models/native_step.py.
+both from the layer pieces in csrc/layer.h; their Python side is native/forward.py, the shared structs and
+signatures native/abi.py.
 
 Why: a decode step multiplies one row by every weight matrix (a verify or a drafter pass, a few more), so
-its time is the time to stream the weights. At these shapes torch's kernels here (oneDNN on a pre-packed weight,
-an inductor-compiled reduction) stream bf16 weights at about half the machine's read rate;
-`python -m castspec.bench.engine` times them side by side (`gemv_ms`). The code is plain C with AVX-512
-intrinsics (no torch headers), so it builds in about a second with the system C compiler, and is cached under
-~/.cache/castspec/native keyed by its source and flags. Where the CPU lacks AVX-512 BF16, no compiler is found,
-the build fails or its self-check disagrees with torch, castspec uses torch's kernels (logged once).
-CASTSPEC_NATIVE=0 turns it off.
+its time is the time to stream the weights, and torch's kernels at these shapes stream bf16 weights well below
+the machine's read rate (`python -m castspec.bench.engine` times them side by side, `gemv_ms`; measurements in
+docs/performance.md). The code is plain C with AVX-512 intrinsics (no torch headers), so it builds in seconds
+with the system C compiler, and is cached under <cache>/native keyed by its sources, flags, mode and compiler
+(path and `--version`). Where the CPU lacks AVX-512 BF16, no compiler is found, the build fails, the library's
+structs differ from native/abi.py's or its self-check disagrees with torch, castspec uses torch's kernels
+(logged once). A cached library that fails to load or to pass its checks is rebuilt once first.
+
+CASTSPEC_NATIVE (read through castspec.env): 0 turns the native code off. `emulate` builds the same sources
+without AVX-512 flags on SIMD Everywhere (simde, header-only; Debian's libsimde-dev) with -DCASTSPEC_EMULATE
+(csrc/simd.h), skipping the CPU check: the library then runs on any CPU, much more slowly, and computes what
+the real one does. It exists so that tests exercise the C code on machines without AVX-512; it is never a
+default and never worth using for speed.
 """
 from __future__ import annotations
 
@@ -18,19 +25,27 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
+import _ctypes
 import torch
+
+from .. import env
+from . import abi
 
 log = logging.getLogger("castspec")
 
 CSRC = Path(__file__).parent / "csrc"  # every .c there is built into one library, .h files are included
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+SIMDE_INCLUDE = Path("/usr/include")  # where libsimde-dev puts simde/
+COMMON_FLAGS = ("-fopenmp", "-shared", "-fPIC")
+MODE_FLAGS = {"on": ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+              # -O2: emulated intrinsics are inlined everywhere, and -O3 makes that build much slower for tests
+              "emulate": ("-O2", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}")}
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-# Above this many rows oneDNN's blocked GEMM is faster on the machine this was tuned on (the step's products
-# alone, over all 121 matrices: bf16 8 rows 15.1 vs 16.1 ms, 16 rows 29.5 vs 22.1; fp32 4 rows 24.2 vs 26.4,
-# 8 rows 32.0 vs 28.8). Whole native forwards (models/native_step.py) use the kernels at any row count.
+# The most rows castspec's products take (native/linear.py); above it oneDNN's blocked GEMM was faster where
+# this was tuned (docs/performance.md). Whole native forwards (native/forward.py) use the kernels at any count.
 MAX_ROWS = {torch.bfloat16: 8, torch.float32: 4}
 _ENTRY = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
@@ -43,13 +58,44 @@ def cpu_supported() -> bool:
     return all(f in flags for f in CPU_FLAGS)
 
 
-def _build(out: Path) -> None:
+def emulation_available() -> bool:
+    """Whether simde's headers are here for CASTSPEC_NATIVE=emulate."""
+    return (SIMDE_INCLUDE / "simde" / "x86" / "avx512.h").is_file()
+
+
+def _compiler() -> tuple[str, str]:
+    """The C compiler (CC, else cc) as a path where it resolves to one, and its `--version` output ('' when it
+    does not run: the build then fails and says why)."""
+    cc = os.environ.get("CC", "cc")
+    path = shutil.which(cc) or cc
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return path, version
+
+
+def _flags(mode: str) -> tuple[str, ...]:
+    return (*COMMON_FLAGS, *MODE_FLAGS[mode])
+
+
+def _library_path(mode: str, compiler: str, version: str) -> Path:
+    files = sorted(CSRC.glob("*.[ch]"))  # the headers too: a change there must rebuild
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in files)
+                         + "\0".join((mode, *_flags(mode), compiler, version)).encode()).hexdigest()[:16]
+    return env.cache_dir() / "native" / f"castspec-{mode}-{key}.so"
+
+
+def _build(out: Path, mode: str, compiler: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     sources = sorted(map(str, CSRC.glob("*.c")))
-    subprocess.run([os.environ.get("CC", "cc"), *FLAGS, *sources, "-o", str(tmp), "-lm"], check=True,
-                   capture_output=True, timeout=120)
-    os.replace(tmp, out)  # atomic, so processes building at once never load a half-written library
+    try:
+        subprocess.run([compiler, *_flags(mode), *sources, "-o", str(tmp), "-lm"], check=True, capture_output=True,
+                       timeout=300)
+        os.replace(tmp, out)  # atomic, so processes building at once never load a half-written library
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _self_check(lib) -> bool:
@@ -65,39 +111,52 @@ def _self_check(lib) -> bool:
     return True
 
 
+def _load(path: Path) -> ctypes.CDLL | str:
+    """The library at `path`, declared and checked, or the reason it is unusable."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return f"it does not load ({e})"
+    try:
+        abi.declare(lib)
+        mismatches = abi.size_mismatches(lib)
+    except (AttributeError, ValueError) as e:  # a missing symbol
+        mismatches = [str(e)]
+    if mismatches:
+        reason = "its structs differ from native/abi.py's: " + "; ".join(mismatches)
+    elif not _self_check(lib):
+        reason = "it disagrees with torch on this machine"
+    else:
+        return lib
+    # unload it: dlopen would otherwise hand this library back for a rebuilt file at the same path
+    _ctypes.dlclose(lib._handle)
+    return reason
+
+
 @functools.lru_cache(maxsize=None)
 def library():
     """The loaded kernels, or None where they are unavailable (see the module docstring)."""
-    if os.environ.get("CASTSPEC_NATIVE", "1") == "0" or not cpu_supported():
+    mode = env.native_mode()
+    if mode == "off" or (mode == "on" and not cpu_supported()):
         return None
-    from ..env import cache_dir
-
-    files = sorted(CSRC.glob("*.[ch]"))  # the header too: a change there must rebuild
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = cache_dir() / "native" / f"castspec-{key}.so"
-    try:
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("castspec: native kernels unavailable (%s %s); using torch's", type(e).__name__,
-                    detail.decode(errors="replace").strip().splitlines()[-1:] or "")
+    if mode == "emulate" and not emulation_available():
+        log.warning("castspec: CASTSPEC_NATIVE=emulate needs simde's headers (%s/simde); using torch's kernels",
+                    SIMDE_INCLUDE)
         return None
-    for name in _ENTRY.values():
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
-        fn.restype = None
-    rows = lib.forward_rows  # step.c; its Python side is models/native_step.py
-    rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    rows.restype = ctypes.c_int
-    draft = lib.draft_block
-    draft.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    draft.restype = ctypes.c_int
-    if not _self_check(lib):
-        log.warning("castspec: native kernels disagree with torch on this machine; using torch's")
+    compiler, version = _compiler()
+    path = _library_path(mode, compiler, version)
+    lib = _load(path) if path.exists() else None
+    if not isinstance(lib, ctypes.CDLL):  # none cached, or a cached one that fails: (re)build once
+        try:
+            _build(path, mode, compiler)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            log.warning("castspec: native kernels unavailable (%s %s); using torch's", type(e).__name__,
+                        detail.decode(errors="replace").strip().splitlines()[-1:] or "")
+            return None
+        lib = _load(path)
+    if isinstance(lib, str):
+        log.warning("castspec: native kernels unusable: %s; using torch's", lib)
         return None
     return lib
 

@@ -1,23 +1,23 @@
-"""Linear layers for inference on CPU: castspec's own kernels for a few rows (castspec/native.py, on AVX-512
+"""Linear layers for inference on CPU: castspec's own kernels for a few rows (native/build.py, on AVX-512
 CPUs), otherwise weights packed once into oneDNN's blocked layout.
 
 Decode steps, tree verification and drafting multiply 1-64 rows by every weight matrix, so they are bound
-by how fast weights stream from memory. torch's plain bf16 F.linear repacks the weight on every call and
-streams ~5 GB/s here at these shapes (the machine reads ~30 GB/s); the same oneDNN kernel on a weight
-packed once (torch.ops.mkldnn, what inductor's CPU freezing path uses) is 2x faster at 1-16 rows and gives
-the same bf16 results. Packs are remade when a weight changes in place (its version counter moves).
+by how fast weights stream from memory. torch's plain bf16 F.linear repacks the weight on every call, far
+below the machine's read rate at these shapes; the same oneDNN kernel on a weight packed once
+(torch.ops.mkldnn, what inductor's CPU freezing path uses) is much faster at 1-16 rows and gives the same bf16
+results (docs/performance.md). Packs are remade when a weight changes in place (its version counter moves).
 Where oneDNN is missing, single rows use an inductor-compiled reduction and the rest plain F.linear.
-CASTSPEC_PACK=0 / CASTSPEC_COMPILE=0 turn the two paths off.
+CASTSPEC_PACK=0 / CASTSPEC_COMPILE=0 (castspec.env) turn the two paths off.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from .. import env
 from .build import skinny_linear
 
 log = logging.getLogger("castspec")
@@ -28,8 +28,10 @@ def _rowdot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_rowdot():
-    if os.environ.get("CASTSPEC_COMPILE", "1") == "0":
+def compiled_rowdot():
+    """The single-row product x [1, I] . w [O, I]^T (fp32 sums) compiled by inductor, or None where that is off
+    or unavailable."""
+    if not env.compile_enabled():
         return None
     try:
         fn = torch.compile(_rowdot, dynamic=True)
@@ -45,7 +47,7 @@ def _compiled_rowdot():
 def packing_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN packs and multiplies weights of this dtype here (its bf16 path needs AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT; on other x86 CPUs it raises)."""
-    if os.environ.get("CASTSPEC_PACK", "1") == "0" or not torch.backends.mkldnn.is_available():
+    if not env.packing_enabled() or not torch.backends.mkldnn.is_available():
         return False
     try:
         w = torch.ones(4, 8, dtype=dtype)
@@ -93,14 +95,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            pack: WeightPack | None = None) -> torch.Tensor:
     if torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    out = skinny_linear(x, weight)  # a few rows on AVX-512 CPUs (castspec/native.py)
+    out = skinny_linear(x, weight)  # a few rows on AVX-512 CPUs (native/build.py)
     if out is not None:
         return out if bias is None else out + bias
     out = packed_linear(x, weight, bias, pack) if pack is not None else None
     if out is not None:
         return out
     if x.device.type == "cpu" and x.numel() == x.shape[-1]:
-        fn = _compiled_rowdot()
+        fn = compiled_rowdot()
         if fn is not None:
             # plain tensors (not Parameters) so one compiled graph per dtype serves every weight
             out = fn(x.reshape(1, -1).detach(), weight.detach()).view(*x.shape[:-1], weight.shape[0])

@@ -2,8 +2,8 @@
  * tapped features) become keys/values in each request's drafter cache, and its block rows [root, MASK...]
  * attend to all of them and to each other (no causal mask) through every drafter layer.
  *
- * Same reason as step.c: the pass is a few small products, and eager torch spent ~4 ms of op dispatch on it
- * per round. Python side: castspec/models/native_step.py (NativeDraft); the torch forward it mirrors is
+ * Same reason as step.c: the pass is a few small products, and in eager torch their op dispatch costs more
+ * than the arithmetic. Python side: castspec/native/forward.py (NativeDraft); the torch forward it mirrors is
  * castspec/models/dflash.py.
  */
 #include "layer.h"
@@ -15,13 +15,43 @@ typedef struct {
 } DraftModel;
 
 /* One request in a drafter pass: its cache (fp32 [layers, 1, kv_heads, capacity, head_dim]), where its new
- * context rows go (slots start ..), how many context and block rows it has. Same layout as native_step.py's
- * _DraftSegment. */
+ * context rows go (slots start ..), how many context and block rows it has. Same layout as native/abi.py's
+ * DraftSegment. */
 typedef struct {
     float *k, *v;
     int64_t capacity, start;
     int32_t ctx_rows, block_rows;
 } DraftSegment;
+
+/* The sizes of the structs castspec/native/abi.py mirrors, compared with its own when the library loads. */
+const int64_t castspec_sizeof_DraftModel = sizeof(DraftModel), castspec_sizeof_DraftSegment = sizeof(DraftSegment);
+
+/* What draft_block works in, all from one Arena (see layer.h); `rows` is the larger of the context and block
+ * row counts. */
+typedef struct {
+    RowAttn *see;                                            /* [T] */
+    float *x, *ctx, *n, *proj, *act, *heads_out, *probs;      /* [rows, H] x3, [rows, wide] [rows, F]
+                                                                [rows, nq] [T, heads, S16] */
+    void *xs, *ys;                                           /* the products' model-dtype inputs and outputs */
+} DraftScratch;
+
+static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16, DraftScratch *s) {
+    const StepModel *m = &dm->base;
+    const int H = m->hidden, nq = m->heads * m->head_dim, qkv = nq + 2 * m->kv_heads * m->head_dim, F = m->inter;
+    const int rows = C > T ? C : T, wide0 = 2 * F > qkv ? 2 * F : qkv, wide = wide0 > dm->fc_in ? wide0 : dm->fc_in;
+    const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
+    const int64_t io = (int64_t)rows * (wide > H ? wide : H);
+    s->see = take(a, sizeof(RowAttn) * T);
+    s->x = take(a, f * rows * H);
+    s->ctx = take(a, f * rows * H);
+    s->n = take(a, f * rows * H);
+    s->proj = take(a, f * rows * wide);
+    s->act = take(a, f * rows * F);
+    s->heads_out = take(a, f * rows * nq);
+    s->probs = take(a, f * T * m->heads * S16);
+    s->xs = take(a, esz * io);
+    s->ys = take(a, esz * io);
+}
 
 /* The context rows of every segment (features [C, fc_in] in the model's dtype, at RoPE positions ctx_pos,
  * concatenated in segment order) are fused (fc, norm) and their keys/values written to their cache's slots
@@ -33,25 +63,23 @@ typedef struct {
 int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const void *features,
                 const int64_t *ctx_pos, int T, const void *block_emb, const int64_t *block_pos, void *out) {
     const StepModel *m = &dm->base;
-    const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads, F = m->inter, FI = dm->fc_in;
+    const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads, FI = dm->fc_in;
     const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk, esz = m->bf16 ? 2 : 4;
-    const int rows = C > T ? C : T, wide0 = 2 * F > qkv ? 2 * F : qkv, wide = wide0 > FI ? wide0 : FI;
     int Smax = 1;
     for (int g = 0; g < nseg; ++g) {
         const int S = (int)(segs[g].start + segs[g].ctx_rows + segs[g].block_rows);
         if (S > Smax) Smax = S;
     }
     const int S16 = (Smax + 15) & ~15;
-    const int64_t io = (int64_t)rows * (wide > H ? wide : H);
-    RowAttn *see;
-    float *buf;
-    char *xs;
-    char *mem = scratch(T, (int64_t)rows * (3 * H + wide + F + nq) + (int64_t)T * nh * S16, (int64_t)esz * 2 * io,
-                        &see, &buf, &xs);
-    if (!mem) return -1;
-    float *x = buf, *ctx = x + rows * H, *n = ctx + rows * H, *proj = n + rows * H, *act = proj + rows * wide,
-          *heads_out = act + rows * F, *probs = heads_out + rows * nq;
-    void *ys = xs + (size_t)esz * io;
+    Arena arena = {NULL, 0};
+    DraftScratch s;
+    draft_scratch(&arena, dm, C, T, S16, &s);
+    if (arena_open(&arena)) return -1;
+    draft_scratch(&arena, dm, C, T, S16, &s);
+    float *x = s.x, *ctx = s.ctx, *n = s.n, *proj = s.proj, *act = s.act, *heads_out = s.heads_out;
+    float *probs = s.probs;
+    RowAttn *see = s.see;
+    void *xs = s.xs, *ys = s.ys;
 
     /* the context: fc over the concatenated taps, then hidden_norm */
     if (m->bf16) from_model(features, proj, (int64_t)C * FI);
@@ -98,6 +126,6 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
     for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, m->final_norm, H, n + t * H);
     if (m->bf16) to_model(n, out, (int64_t)T * H);
     else memcpy(out, n, sizeof(float) * T * H);
-    free(mem);
+    free(arena.base);
     return 0;
 }

@@ -7,16 +7,17 @@
 #ifndef CASTSPEC_LAYER_H
 #define CASTSPEC_LAYER_H
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 void skinny_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, int M, int O, int I, int ldx, int ldy);
 void skinny_f32(const float *W, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
 
-/* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native_step.py's _Layer. */
+/* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native/abi.py's Layer. */
 typedef struct {
     const void *attn_norm, *qkv_w, *qkv_b, *o_w, *o_b, *q_norm, *k_norm, *mlp_norm, *gate_up_w, *gate_up_b,
         *down_w, *down_b;
@@ -31,16 +32,8 @@ typedef struct {
 } StepModel;
 
 /* Activations live in fp32 and are rounded to the model's dtype wherever torch stores a tensor (rnd16, a
- * no-op for fp32); all of it sixteen lanes at a time, `k` masking the lanes of a row's last partial vector.
- * f32 -> bf16 is VCVTNEPS2BF16: round to nearest even, as torch, except that it flushes denormals (below
- * ~1e-38) to zero. */
-static inline __mmask16 lanes(int64_t n, int64_t i) {
-    return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-}
-
-static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-static inline __m256i narrow(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+ * no-op for fp32; simd.h's narrow); all of it sixteen lanes at a time, `k` masking the lanes of a row's last
+ * partial vector (simd.h's lanes). */
 
 static inline __m512 load16(const StepModel *m, const void *p, int64_t i, __mmask16 k) {
     return m->bf16 ? widen(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
@@ -89,7 +82,7 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
 }
 
 /* Y[M, O] = round(X[M, I] . W[O, I]^T + b): the products in the model's dtype through skinny.c, the bias
- * added after rounding, as kernels.linear does. xs / ys are scratch of M*I / M*O model-dtype elements. */
+ * added after rounding, as native/linear.py's linear does. xs / ys are scratch of M*I / M*O model-dtype elements. */
 static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
                    void *xs, void *ys, float *Y) {
     const int64_t n_in = (int64_t)M * I, n_out = (int64_t)M * O;
@@ -124,7 +117,7 @@ static void rope(const StepModel *m, float *x, int64_t pos) {
 }
 
 /* Sixteen vectors' horizontal sums as one vector (out[j] = sum of v[j]): a tree of lane shuffles and adds,
- * ~4x cheaper than sixteen separate reductions. The tree leaves the sums 4x4-transposed; the last permute
+ * much cheaper than sixteen separate reductions. The tree leaves the sums 4x4-transposed; the last permute
  * (its own inverse) puts them in order. */
 static inline __m512 hsum16(const __m512 *v) {
     __m512 t[8], u[4], w[2];
@@ -245,17 +238,27 @@ typedef struct {
     const uint8_t *visible;
 } RowAttn;
 
-/* A forward's scratch in one allocation: `rows` attention plans, n_f floats (fp32 activations), n_x bytes
- * (model-dtype copies for the products). Returns the block to free, NULL when out of memory. */
-static char *scratch(int rows, int64_t n_f, int64_t n_x, RowAttn **see, float **f, char **x) {
-    const size_t n_see = sizeof(RowAttn) * rows; /* a multiple of 8: what follows stays aligned */
-    char *mem = malloc(n_see + sizeof(float) * n_f + n_x);
-    if (mem) {
-        *see = (RowAttn *)mem;
-        *f = (float *)(mem + n_see);
-        *x = mem + n_see + sizeof(float) * n_f;
-    }
-    return mem;
+/* A forward's scratch: one allocation, handed out by `take`. A forward lays its buffers out in one function
+ * that takes them all from an Arena, and calls it twice through arena_open: first on an empty arena to
+ * measure (take returns NULL and only counts), then on one block of the measured size. The total is thus the
+ * sum of what is taken, by construction. */
+typedef struct {
+    char *base;  /* NULL while measuring */
+    size_t used; /* bytes taken so far, each piece rounded up to 64 (cache-line aligned) */
+} Arena;
+
+static void *take(Arena *a, size_t bytes) {
+    void *p = a->base ? a->base + a->used : NULL;
+    a->used += (bytes + 63) & ~(size_t)63;
+    return p;
+}
+
+/* After a measuring pass over `a`: allocates what it counted and rewinds, for the taking pass. Returns 0, or
+ * -1 when out of memory. Free a->base when done. */
+static int arena_open(Arena *a) {
+    a->base = aligned_alloc(64, a->used ? a->used : 64);
+    a->used = 0;
+    return a->base ? 0 : -1;
 }
 
 /* Attention of M rows' query heads (row r's at q + r * ldq), each over its own RowAttn; then the output

@@ -2,10 +2,10 @@
  * decoder in one native call.
  *
  * Such a forward streams every weight once and does little else, yet in eager torch its ~50 small ops per
- * layer (norms, RoPE, cache writes, attention, residuals) cost more than the weight reads on a 2-core CPU.
+ * layer (norms, RoPE, cache writes, attention, residuals) can cost more than the weight reads.
  * Here the whole forward is one call: the products use skinny.c's kernels, the rest is layer.h.
- * Weights are read through the pointers in StepModel (built by castspec/models/native_step.py); the K/V
- * cache is the fp32 [layers, 1, kv_heads, capacity, head_dim] tensor of castspec/cache.py.
+ * Weights are read through the pointers in StepModel (built by castspec/native/forward.py); the K/V
+ * cache is the fp32 [layers, 1, kv_heads, capacity, head_dim] tensor of castspec/models/kvcache.py.
  */
 #include "layer.h"
 
@@ -22,13 +22,42 @@ static void embed_rows(const StepModel *m, const void *table, const int64_t *tok
 /* One request's rows in a forward: its cache (fp32 [layers, 1, kv_heads, capacity, head_dim]), where its rows'
  * keys/values go (slots start ..), and what they see: mask [rows, start + rows] (nonzero = visible) or, when
  * NULL, slots [0, start + r] for its row r (a decode step, a causal prefill chunk). Same layout as
- * native_step.py's _Segment. */
+ * native/abi.py's Segment. */
 typedef struct {
     float *k, *v;
     int64_t capacity, start;
     int32_t rows;
     const uint8_t *mask;
 } Segment;
+
+/* The sizes of the structs castspec/native/abi.py mirrors, compared with its own when the library loads. */
+const int64_t castspec_sizeof_Layer = sizeof(Layer), castspec_sizeof_StepModel = sizeof(StepModel),
+              castspec_sizeof_Segment = sizeof(Segment);
+
+/* What forward_rows works in, all from one Arena (see layer.h). */
+typedef struct {
+    RowAttn *see;                                       /* [M] */
+    float *x, *n, *proj, *att, *act, *heads_out, *probs; /* [M, H] [M, H] [M, wide] [M, H] [M, F] [M, nq]
+                                                           [M, heads, S16] */
+    void *xs, *ys;                                      /* the products' model-dtype inputs and outputs */
+} StepScratch;
+
+static void step_scratch(Arena *a, const StepModel *m, int M, int R, int S16, StepScratch *s) {
+    const int H = m->hidden, nq = m->heads * m->head_dim, qkv = nq + 2 * m->kv_heads * m->head_dim, F = m->inter;
+    const int wide = 2 * F > qkv ? 2 * F : qkv; /* the widest activation row */
+    const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
+    const int64_t io = (int64_t)M * (wide > H ? wide : H), lo = (int64_t)R * m->vocab; /* lo: the logits */
+    s->see = take(a, sizeof(RowAttn) * M);
+    s->x = take(a, f * M * H);
+    s->n = take(a, f * (M > R ? M : R) * H);
+    s->proj = take(a, f * M * wide);
+    s->att = take(a, f * M * H);
+    s->act = take(a, f * M * F);
+    s->heads_out = take(a, f * M * nq);
+    s->probs = take(a, f * M * m->heads * S16);
+    s->xs = take(a, esz * (io > (int64_t)R * H ? io : (int64_t)R * H)); /* R * H: the final norm's rows */
+    s->ys = take(a, esz * (lo > io ? lo : io));
+}
 
 /* The forward of M rows, split in order into `nseg` segments (one per request): tokens[r] at RoPE position
  * pos[r]. logits[R, vocab] receive the lm_head rows logit_rows[0..R) (rounded to the model's dtype). With
@@ -38,23 +67,21 @@ typedef struct {
 int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t *pos, int nseg,
                  const Segment *segs, int R, const int64_t *logit_rows, float *logits, const int32_t *tap_slot,
                  int ntaps, void *taps_out) {
-    const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads, F = m->inter;
-    const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk, esz = m->bf16 ? 2 : 4;
-    const int wide = 2 * F > qkv ? 2 * F : qkv; /* the widest activation row */
+    const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads;
+    const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk;
     int Smax = 1;
     for (int g = 0; g < nseg; ++g)
         if (segs[g].start + segs[g].rows > Smax) Smax = (int)(segs[g].start + segs[g].rows);
     const int S16 = (Smax + 15) & ~15;
-    const int64_t io = (int64_t)M * (wide > H ? wide : H), lo = (int64_t)R * m->vocab;
-    RowAttn *see;
-    float *buf;
-    char *xs;
-    char *mem = scratch(M, (int64_t)M * (2 * H + wide + H + F + nq) + (int64_t)M * nh * S16,
-                        (int64_t)esz * (2 * io + (lo > io ? lo : io)), &see, &buf, &xs);
-    if (!mem) return -1;
-    float *x = buf, *n = x + M * H, *proj = n + M * H, *att = proj + M * wide, *act = att + M * H,
-          *heads_out = act + M * F, *probs = heads_out + M * nq;
-    void *ys = xs + (size_t)esz * io;
+    Arena arena = {NULL, 0};
+    StepScratch s;
+    step_scratch(&arena, m, M, R, S16, &s);
+    if (arena_open(&arena)) return -1;
+    step_scratch(&arena, m, M, R, S16, &s);
+    float *x = s.x, *n = s.n, *proj = s.proj, *att = s.att, *act = s.act, *heads_out = s.heads_out;
+    float *probs = s.probs;
+    RowAttn *see = s.see;
+    void *xs = s.xs, *ys = s.ys;
 
     embed_rows(m, m->embed, tokens, M, x);
     for (int l = 0; l < m->layers; ++l) {
@@ -86,10 +113,10 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     if (m->bf16) {
         to_model(n, (uint16_t *)xs, (int64_t)R * H);
         skinny_bf16(m->head, (const uint16_t *)xs, ys, R, m->vocab, H, H, m->vocab);
-        from_model(ys, logits, lo);
+        from_model(ys, logits, (int64_t)R * m->vocab);
     } else {
         skinny_f32(m->head, n, logits, R, m->vocab, H, H, m->vocab);
     }
-    free(mem);
+    free(arena.base);
     return 0;
 }

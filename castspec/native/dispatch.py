@@ -1,0 +1,103 @@
+"""Native or torch: the one place that decides which code runs a model's forward.
+
+Each model (models/decoder.py, models/dflash.py) owns a NativeSwitch and calls it with its torch forward as the
+fallback; the switch runs the native forward (native/forward.py) where it applies, and the torch forward
+otherwise. Everything native-specific lives here: whether the C code takes the call (its row limits, layouts),
+the lazily built native code of the model, the first-use cross-check, and dropping the native code when the
+model's weights move.
+
+The first native forward of each model is also run through torch (writing the same cache slots again) and the
+two compared; a disagreement, which only a platform or shape the C code mishandles can cause, is logged and
+turns the native path off for that model.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from .forward import NativeDraft, NativeStep
+
+log = logging.getLogger("castspec")
+
+def agrees(native_out, torch_out, dtype: torch.dtype) -> bool:
+    """A native forward's outputs (a tensor or a tuple of tensors and Nones) equal the torch forward's up to
+    rounding, relative to the largest value: logits and hidden states have no fixed scale."""
+    if isinstance(torch_out, torch.Tensor):
+        native_out, torch_out = (native_out,), (torch_out,)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    return all(torch.allclose(a.float(), b.float(), rtol=0, atol=tol * max(b.abs().max().item(), 1.0))
+               for a, b in zip(native_out, torch_out) if b is not None)
+
+
+class NativeSwitch(nn.Module):
+    """Runs one model's forwards natively where the C code applies, through torch otherwise.
+
+    An nn.Module child of its model (with no parameters, so state dicts are unchanged) for one reason: moving
+    or converting the model (`.to()`, `.float()`, ...) reaches it through `_apply`, which drops the native code,
+    whose pointers would then be stale; it is built again at the next forward."""
+
+    def __init__(self, kind: type[NativeStep] | type[NativeDraft]):
+        super().__init__()
+        self._kind = kind
+        self._reset()
+
+    def _reset(self) -> None:
+        self._looked_up = False  # whether _code was built (or found not to apply) for the model's weights
+        self._code: NativeStep | NativeDraft | None = None  # None: does not apply, or turned off
+        self._checked = False  # whether a native forward passed the comparison with the torch forward
+
+    @classmethod
+    def for_decoder(cls) -> "NativeSwitch":
+        return cls(NativeStep)
+
+    @classmethod
+    def for_drafter(cls) -> "NativeSwitch":
+        return cls(NativeDraft)
+
+    def run(self, model: nn.Module, torch_forward, *args):
+        """`torch_forward(*args)`, or the same call through the native code where it applies."""
+        if torch.is_grad_enabled() or not self._kind.accepts(model, *args):
+            return torch_forward(*args)
+        if not self._looked_up:
+            self._code, self._looked_up = self._kind.build(model), True
+        if self._code is None:
+            return torch_forward(*args)
+        out = self._code.run(*args)
+        if not self._checked:
+            ref = torch_forward(*args)
+            if not agrees(out, ref, model.dtype):
+                log.warning("castspec: the native %s disagrees with the torch forward on this model; using torch's",
+                            self._kind.what)
+                self._code = None
+                return ref
+            self._checked = True
+        return out
+
+    @property
+    def active(self) -> bool:
+        """Whether the native code is built and on (after a forward it took)."""
+        return self._code is not None
+
+    @property
+    def checked(self) -> bool:
+        """Whether a native forward passed the first-use comparison with the torch forward."""
+        return self._checked
+
+    def use_torch(self) -> None:
+        """Every later forward of this model runs through torch (a reference to compare the native one with)."""
+        self._code, self._looked_up = None, True
+
+    def _apply(self, fn, *args, **kwargs):
+        self._reset()  # the model's weights moved or changed dtype
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        # pickles and deep copies (a copied model has its own weights) carry no pointers: built again on use
+        state = self.__dict__.copy()
+        state.update(_looked_up=False, _code=None, _checked=False)
+        return state
+
+    def extra_repr(self) -> str:
+        return f"{self._kind.__name__}, {'on' if self.active else 'off' if self._looked_up else 'not built yet'}"
