@@ -1,9 +1,10 @@
-"""Who gets how many tree nodes this round: allocation policies over B requests' candidate universes.
+"""Who gets how many tree nodes this round: allocation policies over B requests' candidate universes, and
+the one factory (`PolicySpec` -> `make_policy`) that every front door uses to turn user settings into a policy.
 
 Every policy maps the drafted marginals of the requests that draft this round to one best-first tree each.
 With one request, `fixed` and `cost` are the paper's fixed width N and the per-round cost-aware width; under
 load `shared` spends one global budget M on the highest-scoring candidates wherever they are (Proposition 2),
-and `cost` also picks M from the measured cost of the whole batched verify (Proposition 3).
+and `cost` also picks M from the profiled cost of the whole batched verify (Proposition 3).
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cost import RoundWidth
+from .config import METHODS, DecodeConfig
+from .cost import Calibration, CostProfile, RoundWidth
 from .tree import Tree, build_forest, build_tree, universe_size
 
 POLICIES = ("chain", "fixed", "uniform", "shared", "cost")
@@ -55,14 +57,14 @@ class FixedWidth(Policy):
     """Every request gets its own top-`width` tree."""
 
     width: int
-    top_k: int = 8
+    top_k_per_position: int = 8
     name = "fixed"
 
     def max_nodes(self, depth: int) -> int:
-        return min(self.width, universe_size(depth, self.top_k))
+        return min(self.width, universe_size(depth, self.top_k_per_position))
 
     def allocate(self, logprobs, prefixes):
-        return [build_tree(lp, self.width, self.top_k) for lp in logprobs]
+        return [build_tree(lp, self.width, self.top_k_per_position) for lp in logprobs]
 
 
 @dataclass
@@ -70,15 +72,15 @@ class UniformSplit(Policy):
     """One budget of `budget` nodes split evenly across the requests (the static baseline of Prop. 2)."""
 
     budget: int
-    top_k: int = 8
+    top_k_per_position: int = 8
     name = "uniform"
 
     def max_nodes(self, depth: int) -> int:
-        return min(self.budget, universe_size(depth, self.top_k))
+        return min(self.budget, universe_size(depth, self.top_k_per_position))
 
     def allocate(self, logprobs, prefixes):
         share, extra = divmod(self.budget, max(len(logprobs), 1))
-        return [build_tree(lp, share + (i < extra), self.top_k) for i, lp in enumerate(logprobs)]
+        return [build_tree(lp, share + (i < extra), self.top_k_per_position) for i, lp in enumerate(logprobs)]
 
 
 @dataclass
@@ -86,14 +88,14 @@ class SharedBudget(Policy):
     """Global best-first over one shared budget: the `budget` highest-scoring candidates of all requests."""
 
     budget: int
-    top_k: int = 8
+    top_k_per_position: int = 8
     name = "shared"
 
     def max_nodes(self, depth: int) -> int:
-        return min(self.budget, universe_size(depth, self.top_k))
+        return min(self.budget, universe_size(depth, self.top_k_per_position))
 
     def allocate(self, logprobs, prefixes):
-        return build_forest(logprobs, self.budget, self.top_k)
+        return build_forest(logprobs, self.budget, self.top_k_per_position)
 
 
 class CostAware(Policy):
@@ -105,24 +107,22 @@ class CostAware(Policy):
     `explore_every` plain rounds, tries a short burst of `try_rounds` drafted rounds; the gap doubles after
     every burst that loses (up to `max_explore_every`) and resets when drafting wins again.
 
-    One round is weak evidence: it commits 1 to 4+ tokens, so short averages of a drafter that wins by a
-    third on average still dip below plain rounds in runs of bad luck. In round traces on held-out prompts,
-    the per-round estimate alone switched drafting off for long stretches of math and chat responses (once
-    after two single-token rounds) on which a fixed width beat plain decoding. Hence: every
-    request drafts its first `min_drafted` rounds; draft-or-not uses a slow estimate of drafted throughput
-    (`decision_momentum`, about 20 rounds; the width rule keeps its own faster lambda); tries are bursts whose
-    mean weighs half of the estimate. Under load all three count request-rounds, not rounds: a round of 16
-    requests is already an average of 16 outcomes, and its trees cost far more than one request's. The first
-    drafted round enters no estimate: its drafter pass also reads the whole prompt's features (up to twice a
-    later pass, measured).
+    One round is weak evidence: it commits anywhere from 1 to L + 1 tokens, so a short average of a drafter
+    that wins on average still dips below plain rounds in runs of bad luck, and a per-round estimate alone
+    would switch drafting off for long stretches on which drafting pays. Hence: every request drafts its first
+    `min_drafted` rounds; draft-or-not uses a slow estimate of drafted throughput (`decision_momentum`, about
+    20 request-rounds; the width rule keeps its own faster lambda); tries are bursts whose mean weighs half of
+    the estimate. Under load all three count request-rounds, not rounds: a round of B requests is already an
+    average of B outcomes, and its trees cost far more than one request's. The first drafted round enters no
+    estimate: its drafter pass also reads the whole prompt's features, so it costs more than later passes.
     """
 
     name = "cost"
 
-    def __init__(self, rule: RoundWidth, top_k: int = 8, explore_every: int = 8, momentum: float = 0.8,
+    def __init__(self, rule: RoundWidth, top_k_per_position: int = 8, explore_every: int = 8, momentum: float = 0.8,
                  max_explore_every: int = 64, decision_momentum: float = 0.95, min_drafted: int = 6,
                  try_rounds: int = 3):
-        self.rule, self.top_k = rule, top_k
+        self.rule, self.top_k_per_position = rule, top_k_per_position
         self.explore_every, self.momentum = explore_every, momentum
         self.min_explore, self.max_explore = explore_every, max_explore_every
         self.decision_momentum, self.min_drafted, self.try_rounds = decision_momentum, min_drafted, try_rounds
@@ -141,10 +141,11 @@ class CostAware(Policy):
         if self.plain_rate is not None:
             return self.plain_rate
         prof = self.rule.profile
-        return self.batch / max(prof.batch_verify_at(self.batch, self.batch, prof.prefix_lens[0]) + prof.host_at(0), 1e-6)
+        plain_ms = prof.batch_verify_at(self.batch, self.batch, prof.prefix_lens[0]) + prof.host_at(0)
+        return self.batch / max(plain_ms, 1e-6)
 
     def max_nodes(self, depth: int) -> int:
-        return min(self.rule.max_width, universe_size(depth, self.top_k))
+        return min(self.rule.max_width, universe_size(depth, self.top_k_per_position))
 
     def should_draft(self) -> bool:
         if self.drafted < self.min_drafted or self.draft_rate is None or self.burst is not None:
@@ -158,7 +159,7 @@ class CostAware(Policy):
     def allocate(self, logprobs, prefixes):
         cap = self.max_nodes(logprobs[0].shape[0]) if logprobs else 0
         self.batch = max(len(logprobs), 1)
-        trees = build_forest(logprobs, cap * len(logprobs), self.top_k, [cap] * len(logprobs))
+        trees = build_forest(logprobs, cap * len(logprobs), self.top_k_per_position, [cap] * len(logprobs))
         counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes)
         return [t.head(c) for t, c in zip(trees, counts)]
 
@@ -200,18 +201,85 @@ class CostAware(Policy):
             self.explore_every = min(2 * self.explore_every, self.max_explore)
 
 
-def make_policy(name: str, width: int = 15, top_k: int = 8, rule: RoundWidth | None = None) -> Policy:
-    """`width` is the per-request width for `fixed` and the whole batch's budget for `uniform`/`shared`."""
-    if name == "chain":
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a user asked for, from any front door (a DecodeConfig for one request, a SchedulerConfig for serving,
+    a loadtest spec string); `make_policy` turns it into a Policy.
+
+    method: ar (no draft, no policy) | chain (the top-1 chain) | cast (a tree allocated by `policy`).
+    policy: fixed (`width` nodes per request) | uniform (a budget of `width` split evenly over the requests) |
+        shared (a budget of `width` best-first over all requests) | cost (the cost rule) | chain.
+    width: an integer, or "auto": the cost rule, for `fixed` and `shared` alike, since with one request the
+        batched rule (Proposition 3) is the per-round width of Theorem 2. The cost policy ignores `width`.
+    top_k_per_position: K, the candidates kept at each drafted position (the tree's universe).
+    """
+
+    method: str = "cast"
+    policy: str = "fixed"
+    width: int | str = "auto"
+    top_k_per_position: int = 8
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown allocation policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.width != "auto" and (not isinstance(self.width, int) or isinstance(self.width, bool) or self.width < 0):
+            raise ValueError(f"width must be a non-negative integer or 'auto', got {self.width!r}")
+        if self.policy == "uniform" and self.width == "auto":
+            raise ValueError("the uniform policy splits a fixed budget: give it an integer width")
+        k = self.top_k_per_position
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"top_k_per_position must be an integer >= 1, got {k!r}")
+
+    @classmethod
+    def for_request(cls, cfg: DecodeConfig) -> "PolicySpec":
+        """What one request's config asks for: `width` nodes of its own, or with "auto" the cost rule."""
+        return cls(cfg.method, "fixed", cfg.width, cfg.top_k_per_position)
+
+    @classmethod
+    def parse(cls, spec: str) -> "PolicySpec":
+        """A policy spec as the load tests write it: ar | chain | fixed:N | uniform:M | shared:M | cost."""
+        name, _, arg = spec.partition(":")
+        if name in ("ar", "chain", "cost"):
+            # width 0: unused by these three (ar and chain have no tree, cost picks its own budget)
+            return cls("cast" if name == "cost" else name, "fixed" if name == "ar" else name, 0)
+        if name not in ("fixed", "uniform", "shared"):
+            raise ValueError(f"unknown policy spec {spec!r}; use ar, chain, cost, fixed:N, uniform:M or shared:M")
+        try:
+            width = int(arg)
+        except ValueError:
+            raise ValueError(f"policy {spec!r} needs a width, e.g. {name}:15") from None
+        try:
+            return cls("cast", name, width)
+        except ValueError as e:
+            raise ValueError(f"policy {spec!r}: {e}") from None
+
+    @property
+    def uses_cost(self) -> bool:
+        """Whether the policy is the cost rule, which reads a measured cost profile."""
+        return self.method == "cast" and self.policy != "chain" and (self.policy == "cost" or self.width == "auto")
+
+
+def make_policy(spec: PolicySpec, depth: int, profile: CostProfile | None = None,
+                calibration: Calibration | None = None) -> Policy | None:
+    """The policy `spec` asks for (None for `ar`): the one way from user settings to a policy, used by decode(),
+    the Engine, the Scheduler and the load tests. `depth` is the drafter's L (it bounds the cost rule's
+    universe); the cost rule needs this deployment's `profile` and, when given, reads the drafter's masses
+    through `calibration`."""
+    if spec.method == "ar":
+        return None
+    k = spec.top_k_per_position
+    if spec.method == "chain" or spec.policy == "chain":
         return Chain()
-    if name == "fixed":
-        return FixedWidth(width, top_k)
-    if name == "uniform":
-        return UniformSplit(width, top_k)
-    if name == "shared":
-        return SharedBudget(width, top_k)
-    if name == "cost":
-        if rule is None:
-            raise ValueError("the cost-aware policy needs a measured cost profile")
-        return CostAware(rule, top_k)
-    raise ValueError(f"unknown allocation policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if spec.uses_cost:
+        if profile is None:
+            raise ValueError("width 'auto' and the cost policy choose widths from a measured cost profile: pass "
+                             "one (the Engine probes it once per deployment), or give an integer width")
+        return CostAware(RoundWidth(profile, min(profile.max_width, universe_size(depth, k)),
+                                    calibration=calibration), k)
+    if spec.policy == "fixed":
+        return FixedWidth(spec.width, k)
+    if spec.policy == "uniform":
+        return UniformSplit(spec.width, k)
+    return SharedBudget(spec.width, k)

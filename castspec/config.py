@@ -166,18 +166,17 @@ class DrafterConfig:
 
 METHODS = ("ar", "chain", "cast")
 VERIFIERS = ("coupled", "rrs", "direct")
-DEFAULT_WIDTH = 15  # `width="auto"` until the cost-aware rule lands: 16 packed tokens, ~flat cost in bf16 here
 
 
 @dataclass(slots=True)
 class DecodeConfig:
     method: str = "cast"
-    width: int | str = "auto"
-    top_k_per_position: int = 8
+    width: int | str = "auto"  # tree nodes per round for `cast`; "auto": the cost rule (castspec.allocate)
+    top_k_per_position: int = 8  # the tree's candidates at each drafted position
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # sampling: draw among the k likeliest tokens (0 = all); unrelated to top_k_per_position
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     # T > 0: "coupled" (each output position's draw fixed by the seed, so every method commits the same tokens),
@@ -227,7 +226,3 @@ class DecodeConfig:
             raise ConfigError(f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
         if self.logprobs_mode not in ("raw", "processed"):
             raise ConfigError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
-
-    @property
-    def resolved_width(self) -> int:
-        return DEFAULT_WIDTH if self.width == "auto" else self.width

@@ -1,4 +1,4 @@
-"""Single-request decoding for `ar`, `chain` and `cast`: a generator over `castspec.batch.run_round` with one
+"""Single-request decoding for `ar`, `chain` and `cast`: a generator over `castspec.round.run_round` with one
 sequence (the same round the scheduler runs for many), plus the per-round statistics.
 """
 from __future__ import annotations
@@ -9,11 +9,12 @@ from typing import Iterator
 
 import torch
 
-from .allocate import Chain, CostAware, FixedWidth, Policy
+from .allocate import PolicySpec, make_policy
 from .config import DecodeConfig
+from .cost import Calibration, CostProfile
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
-from .round import run_round, synchronize
+from .round import SequenceOutput, run_round, synchronize
 from .sequence import ContextLengthError, Sequence  # noqa: F401  (re-exported: the public error type)
 
 
@@ -63,25 +64,15 @@ class DecodeStats:
         }
 
 
-def policy_for(cfg: DecodeConfig, drafter: DFlashDrafter | None, width_rule=None) -> Policy | None:
-    """The allocation policy a single request's config asks for (None for `ar`)."""
-    if cfg.method == "ar" or drafter is None:
-        return None
-    if cfg.method == "chain":
-        return Chain()
-    if cfg.width == "auto" and width_rule is not None:
-        return CostAware(width_rule, cfg.top_k_per_position)
-    return FixedWidth(cfg.resolved_width, cfg.top_k_per_position)
-
-
 def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cfg: DecodeConfig,
-           stats: DecodeStats | None = None, width_rule=None, on_round=None,
-           logprobs: list | None = None) -> Iterator[list[int]]:
+           stats: DecodeStats | None = None, profile: CostProfile | None = None,
+           calibration: Calibration | None = None, on_round=None, logprobs: list | None = None) -> Iterator[list[int]]:
     """Yield the new tokens round by round (after stop handling); fill `stats` as it goes, and `logprobs` with
     one sampling.TokenLogprob per yielded token when cfg.logprobs is set.
 
-    width_rule (a cost.RoundWidth) picks each round's width for method "cast" with width "auto"; without one,
-    "auto" means the fixed DEFAULT_WIDTH. on_round(logprobs, tree, accepted_rows, emitted) observes every
+    The policy is `allocate.make_policy` of the config: width="auto" is the cost rule, which reads `profile`
+    (this deployment's measured costs; Engine passes its own) and, when given, `calibration`; without a profile
+    "auto" is an error, an integer width is not. on_round(logprobs, tree, accepted_rows, emitted) observes every
     drafted round (round logs for the width analyses); it must not modify its arguments.
     """
     if cfg.method != "ar" and drafter is None:
@@ -89,42 +80,39 @@ def decode(target: Decoder, drafter: DFlashDrafter | None, prompt: list[int], cf
     stats = stats if stats is not None else DecodeStats()
     if cfg.max_new_tokens == 0:
         return
-    if cfg.method != "cast" or cfg.width != "auto":
-        width_rule = None
     drafter = drafter if cfg.method != "ar" else None
-    policy = policy_for(cfg, drafter, width_rule)
     L = drafter.cfg.num_draft_positions if drafter is not None else 0
+    policy = make_policy(PolicySpec.for_request(cfg), L, profile, calibration)
     seq = Sequence(target, drafter, prompt, cfg, policy.max_nodes(L) if policy is not None else 0)
-    key = id(seq)
     clock = time.perf_counter
     t0 = clock()
     with torch.inference_mode():
-        first = run_round(target, drafter, [seq], policy, prefill_budget=len(prompt))
-        raise_errors(first)
+        (first,) = run_round(target, drafter, [seq], policy, prefill_budget=len(prompt)).sequences
+        raise_error(first)
         synchronize(target.device)
         stats.prefill_ms = (clock() - t0) * 1e3
         stats.new_tokens = seq.emitted
         if logprobs is not None:
-            logprobs.extend(first.token_logprobs.get(key, []))
-        yield first.emitted[key]
+            logprobs.extend(first.token_logprobs)
+        yield first.emitted
         t_decode = clock()
         while not seq.done:
             out = run_round(target, drafter, [seq], policy)
-            raise_errors(out)
+            (one,) = out.sequences
+            raise_error(one)
             if not stats.rounds:
                 # the decode-only timer opens after prefill and the first draft (Appendix D)
                 stats.first_draft_ms = out.draft_ms
-            stats.rounds.append(RoundStats(out.accepted[key], out.packed, out.draft_ms, out.verify_ms,
-                                           out.host_ms))
+            stats.rounds.append(RoundStats(one.accepted, out.packed, out.draft_ms, out.verify_ms, out.host_ms))
             stats.decode_ms = (clock() - t_decode) * 1e3 - stats.first_draft_ms
-            if on_round is not None and key in out.logprobs:
-                on_round(out.logprobs[key], out.trees[key], out.paths[key], out.emitted[key])
+            if on_round is not None and one.draft_logprobs is not None:
+                on_round(one.draft_logprobs, one.tree, one.path, one.emitted)
             stats.new_tokens = seq.emitted
             if logprobs is not None:
-                logprobs.extend(out.token_logprobs.get(key, []))
-            yield out.emitted[key]
+                logprobs.extend(one.token_logprobs)
+            yield one.emitted
 
 
-def raise_errors(out) -> None:
-    for err in out.errors.values():
-        raise err
+def raise_error(out: SequenceOutput) -> None:
+    if out.error is not None:
+        raise out.error

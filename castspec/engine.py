@@ -7,15 +7,17 @@ from pathlib import Path
 
 import torch
 
+from .allocate import PolicySpec
 from .config import DecodeConfig
-from .cost import Calibration, CostProfile, RoundWidth, profile_path
+from .cost import Calibration, CostProfile, profile_path
 from .decode import DecodeStats, decode
 from .env import cache_dir
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .models.load import LoadError, load_drafter, load_target
+from .probe import QUICK_PACKED, engine_key, probe
 from .sampling import TokenLogprob
-from .tree import universe_size
+from .serving.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("castspec")
 
@@ -85,8 +87,6 @@ class Engine:
     def cost_profile(self, probe_if_missing: bool = True) -> CostProfile | None:
         """This deployment's verify-cost profile: in memory, else from the cache, else a quick probe (cached)."""
         if self._profile is None:
-            from .probe import QUICK_PACKED, engine_key, probe
-
             path = profile_path(cache_dir(), engine_key(self))
             if path.exists():
                 self._profile = CostProfile.load(path)
@@ -100,29 +100,20 @@ class Engine:
     def set_cost_profile(self, profile: CostProfile) -> None:
         self._profile = profile
 
-    def width_rule(self, cfg: DecodeConfig) -> RoundWidth | None:
-        """The per-round cost-aware rule behind width="auto" for `cast` (None otherwise)."""
-        if cfg.method != "cast" or cfg.width != "auto" or self.drafter is None:
-            return None
-        profile = self.cost_profile()
-        L = self.drafter.cfg.num_draft_positions
-        calibration = None
-        if cfg.calibrate:
-            if self._calibration is None:
-                self._calibration = Calibration(depths=L)
-            calibration = self._calibration
-        return RoundWidth(profile, min(profile.max_width, universe_size(L, cfg.top_k_per_position)),
-                          calibration=calibration)
+    def cost_inputs(self, spec: PolicySpec, calibrate: bool = False) -> tuple[CostProfile | None, Calibration | None]:
+        """What the cost rule reads when `spec` is the cost rule (nothing otherwise): this deployment's cost
+        profile and, with `calibrate`, the calibration this engine learns from the requests that ask for it."""
+        if not spec.uses_cost or self.drafter is None:
+            return None, None
+        if calibrate and self._calibration is None:
+            self._calibration = Calibration(depths=self.drafter.cfg.num_draft_positions)
+        return self.cost_profile(), self._calibration if calibrate else None
 
-    def scheduler(self, cfg=None, method: str = "cast"):
-        """A continuous-batching scheduler over this engine's models (the cost policy uses the cost profile)."""
-        from .serving.scheduler import Scheduler, SchedulerConfig
-
+    def scheduler(self, cfg: SchedulerConfig | None = None, method: str = "cast") -> Scheduler:
+        """A continuous-batching scheduler over this engine's models (the cost policy reads the cost profile)."""
         cfg = cfg or SchedulerConfig()
-        rule = None
-        if method == "cast" and cfg.policy == "cost" and self.drafter is not None:
-            rule = self.width_rule(DecodeConfig(method="cast", width="auto", top_k_per_position=cfg.top_k))
-        return Scheduler(self.target, self.drafter, cfg, method=method, rule=rule)
+        profile, _ = self.cost_inputs(cfg.policy_spec(method))
+        return Scheduler(self.target, self.drafter, cfg, method=method, profile=profile)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,7 +164,8 @@ class Engine:
         ids = self.encode(prompt, messages, input_ids, chat_template_kwargs)
         if cfg.method != "ar" and self.drafter is None:
             raise ValueError(f"method {cfg.method!r} needs a drafter: pass drafter=... (or use method='ar')")
-        yield from decode(self.target, self.drafter, ids, cfg, stats, self.width_rule(cfg), logprobs=logprobs_out)
+        profile, calibration = self.cost_inputs(PolicySpec.for_request(cfg), cfg.calibrate)
+        yield from decode(self.target, self.drafter, ids, cfg, stats, profile, calibration, logprobs=logprobs_out)
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None,
                  input_ids: list[int] | None = None, max_new_tokens: int = 256, method: str = "cast",

@@ -1,11 +1,14 @@
 """One decoding round for any number of sequences: the single round loop behind `decode`, the scheduler and
 the server.
 
-A round (1) drafts, in one batched drafter pass, for every sequence that has a pending root, (2) lets the
-allocation policy turn the drafted marginals into one tree per sequence, (3) runs ONE ragged target forward
-over every sequence's rows — prompt chunks of newcomers and the packs [root, tree] of running sequences, each
-against its own cache with its own mask — and (4) walks and commits every sequence. With one sequence this
-is exactly the paper's round; `ar` is the round with an empty tree and `chain` the top-1 tree.
+`run_round` is four steps:
+  draft    one batched drafter pass for every sequence that drafts; the policy turns the marginals into trees
+  lay out  the rows of ONE ragged target forward: prompt chunks of newcomers and the packs [root, tree] of
+           running sequences, each against its own cache with its own mask
+  forward  that target forward
+  commit   every sequence walks its rows and keeps what the target accepts
+With one sequence this is exactly the paper's round; `ar` is the round with an empty tree and `chain` the top-1
+tree. The result holds one SequenceOutput per input sequence, in the input's order.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 from .allocate import Policy
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
+from .models.kvcache import Segment
 from .sequence import Sequence, propose_batch
 from .tree import Tree
 
@@ -27,14 +31,25 @@ def synchronize(device: torch.device) -> None:
 
 
 @dataclass
+class SequenceOutput:
+    """One sequence's part of a round."""
+
+    emitted: list[int] = field(default_factory=list)  # tokens committed this round (after stop handling)
+    accepted: int | None = None  # drafted tokens accepted; None when the sequence verified nothing this round
+    tree: Tree | None = None  # the verified tree (empty in a round without a draft)
+    path: list[int] = field(default_factory=list)  # the accepted pack rows
+    draft_logprobs: torch.Tensor | None = None  # the drafter's marginals [depth, V] when it drafted
+    token_logprobs: list = field(default_factory=list)  # sampling.TokenLogprob per emitted token (cfg.logprobs)
+    error: Exception | None = None  # its own failure after the shared forward (the sequence is then done)
+
+    @property
+    def verified(self) -> bool:
+        return self.accepted is not None
+
+
+@dataclass
 class RoundOutput:
-    emitted: dict[int, list[int]] = field(default_factory=dict)  # id(sequence) -> tokens committed this round
-    accepted: dict[int, int] = field(default_factory=dict)  # id(sequence) -> accepted drafted tokens (verified only)
-    trees: dict[int, Tree] = field(default_factory=dict)
-    logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
-    paths: dict[int, list[int]] = field(default_factory=dict)
-    errors: dict[int, Exception] = field(default_factory=dict)  # id(sequence) -> its own failure after the forward
-    token_logprobs: dict[int, list] = field(default_factory=dict)  # id(sequence) -> TokenLogprob per emitted token
+    sequences: list[SequenceOutput]  # one per input sequence, in order
     packed: int = 0  # rows in the target forward
     prefill_tokens: int = 0
     draft_ms: float = 0.0
@@ -46,38 +61,110 @@ class RoundOutput:
         return self.draft_ms + self.verify_ms + self.host_ms
 
 
+@dataclass
+class Part:
+    """One sequence's rows in the forward: a prompt chunk (tree None) or a pack [root, tree]."""
+
+    index: int  # of the sequence in the round's input
+    start: int  # its first row
+    length: int
+    tree: Tree | None
+    last_chunk: bool = False  # a prompt chunk that completes the prompt: its last row's logits are read
+
+    @property
+    def logit_rows(self) -> int:
+        """How many of its rows, the last ones, have their logits read."""
+        return self.length if self.tree is not None else int(self.last_chunk)
+
+
+@dataclass
+class Rows:
+    """The input of the round's one target forward."""
+
+    ids: torch.Tensor  # [1, rows]
+    positions: torch.Tensor  # [1, rows]
+    segments: list[Segment]  # one per part, in row order
+    logit_rows: torch.Tensor | None  # the rows whose logits are read (None: all of them)
+    parts: list[Part]
+    taps: tuple[int, ...]  # the drafter's tapped target layers (empty when nobody drafts)
+    prefill_tokens: int
+
+    def __len__(self) -> int:
+        return self.ids.shape[1]
+
+
 def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence], policy: Policy | None,
               prefill_budget: int = 512) -> RoundOutput:
     """Advance every sequence in `seqs` by one round. Sequences still reading their prompt get up to
     `prefill_budget` prompt tokens in all (first come first served); the others verify a tree. The policy
     decides whether this round drafts at all (`Policy.should_draft`); without one nobody drafts."""
-    out = RoundOutput()
-    device = target.device
+    out = RoundOutput([SequenceOutput() for _ in seqs])
     clock = time.perf_counter
-    running = [s for s in seqs if s.decoding]
-    drafting = [s for s in running if s.wants_draft()] if policy is not None else []
-    if drafting and not policy.should_draft():
-        drafting = []
-    trees: dict[int, Tree] = {}
     t = clock()
-    if drafting:
-        L = drafter.cfg.num_draft_positions
-        lps = propose_batch(target, drafter, [s.draft for s in drafting], [s.root for s in drafting],
-                            [min(L, s.remaining - 1) for s in drafting])
-        synchronize(device)
+    marginals = draft(target, drafter, seqs, policy)
+    drafted = any(m is not None for m in marginals)
+    if drafted:
         out.draft_ms = (clock() - t) * 1e3
-        th = clock()
-        for s, lp, tree in zip(drafting, lps, policy.allocate(lps, [s.prefix_len for s in drafting])):
-            trees[id(s)] = tree
-            out.logprobs[id(s)] = lp
-        out.host_ms += (clock() - th) * 1e3
+    for o, m in zip(out.sequences, marginals):
+        o.draft_logprobs = m
 
-    th = clock()
-    ids, positions, segments, logit_rows = [], [], [], []
-    work = []  # (sequence, kind, rows in the forward, extra)
-    row = 0
-    budget = prefill_budget
-    for s in seqs:
+    t = clock()
+    trees = plan_trees(policy, seqs, marginals)
+    rows = lay_out(target.device, seqs, trees, prefill_budget)
+    out.host_ms += (clock() - t) * 1e3
+    if rows is None:
+        return out
+    out.packed, out.prefill_tokens = len(rows), rows.prefill_tokens
+
+    t = clock()
+    logits, feats, greedy = forward(target, rows)
+    out.verify_ms = (clock() - t) * 1e3
+
+    t = clock()
+    commit(seqs, rows, logits, feats, greedy, out.sequences, policy)
+    synchronize(target.device)
+    out.host_ms += (clock() - t) * 1e3
+    verified = [o.accepted for o in out.sequences if o.verified]
+    if policy is not None and verified:
+        policy.update(sum(verified) + len(verified), out.total_ms, drafted=drafted)
+    return out
+
+
+def draft(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence],
+          policy: Policy | None) -> list[torch.Tensor | None]:
+    """Step 1: one batched drafter pass for the running sequences that draft this round. Returns each
+    sequence's marginals [depth, V] (None for those that do not draft)."""
+    marginals: list[torch.Tensor | None] = [None] * len(seqs)
+    drafting = [i for i, s in enumerate(seqs) if s.decoding and s.wants_draft()] if policy is not None else []
+    if not drafting or not policy.should_draft():
+        return marginals
+    L = drafter.cfg.num_draft_positions
+    chosen = [seqs[i] for i in drafting]
+    lps = propose_batch(target, drafter, [s.draft for s in chosen], [s.root for s in chosen],
+                        [min(L, s.remaining - 1) for s in chosen])
+    synchronize(target.device)
+    for i, lp in zip(drafting, lps):
+        marginals[i] = lp
+    return marginals
+
+
+def plan_trees(policy: Policy | None, seqs: list[Sequence], marginals: list[torch.Tensor | None]) -> list[Tree]:
+    """Step 1 (cont.): the policy's tree for every sequence that drafted; an empty tree for the others."""
+    trees = [Tree.empty() for _ in seqs]
+    drafted = [i for i, m in enumerate(marginals) if m is not None]
+    if drafted:
+        planned = policy.allocate([marginals[i] for i in drafted], [seqs[i].prefix_len for i in drafted])
+        for i, tree in zip(drafted, planned):
+            trees[i] = tree
+    return trees
+
+
+def lay_out(device: torch.device, seqs: list[Sequence], trees: list[Tree], prefill_budget: int) -> Rows | None:
+    """Step 2: every unfinished sequence's rows, one after the other: the next prompt chunk of a sequence still
+    reading its prompt (while `prefill_budget` lasts), else its pack [root, tree]. None when no row is left."""
+    ids, positions, segments, logit_rows, parts = [], [], [], [], []
+    row, budget = 0, prefill_budget
+    for i, (s, tree) in enumerate(zip(seqs, trees)):
         if s.done:
             continue
         if s.root is None:  # still reading the prompt
@@ -85,65 +172,61 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
                 continue
             chunk_ids, chunk_pos, seg = s.prefill_segment(budget)
             budget -= seg.length
-            last = s.prefilled + seg.length == len(s.prompt)
-            if last:
-                logit_rows.append(row + seg.length - 1)
-            work.append((s, "prefill", row, seg.length, last))
-            out.prefill_tokens += seg.length
+            part = Part(i, row, seg.length, None, last_chunk=s.prefilled + seg.length == len(s.prompt))
         else:
-            tree = trees.get(id(s), Tree.empty())
             pack, seg = s.verify_segment(tree)
             chunk_ids, chunk_pos = pack.ids[0].tolist(), pack.positions[0].tolist()
-            logit_rows.extend(range(row, row + seg.length))
-            work.append((s, "verify", row, seg.length, tree))
+            part = Part(i, row, seg.length, tree)
+        logit_rows.extend(range(row + part.length - part.logit_rows, row + part.length))
         ids.extend(chunk_ids)
         positions.extend(chunk_pos)
         segments.append(seg)
+        parts.append(part)
         row += seg.length
-    if not segments:
-        return out
-    out.packed = row
-    taps = next((s.taps for s, *_ in work if s.taps), ())  # the drafter's tapped layers, when anyone drafts
-    ids_t = torch.tensor([ids], dtype=torch.long, device=device)
-    pos_t = torch.tensor([positions], dtype=torch.long, device=device)
-    # every row needs logits in pure verify rounds: skip the gather then
-    rows_t = None if len(logit_rows) == row else torch.tensor(logit_rows, dtype=torch.long, device=device)
-    out.host_ms += (clock() - th) * 1e3
+    if not parts:
+        return None
+    taps = next((seqs[p.index].taps for p in parts if seqs[p.index].taps), ())
+    return Rows(ids=torch.tensor([ids], dtype=torch.long, device=device),
+                positions=torch.tensor([positions], dtype=torch.long, device=device),
+                segments=segments,
+                # every row needs logits in pure verify rounds: skip the gather then
+                logit_rows=None if len(logit_rows) == row else torch.tensor(logit_rows, dtype=torch.long,
+                                                                             device=device),
+                parts=parts, taps=taps,
+                prefill_tokens=sum(p.length for p in parts if p.tree is None))
 
-    tv = clock()
-    logits, feats = target.forward_segments(ids_t, pos_t, segments, rows_t, taps)
+
+def forward(target: Decoder, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """Step 3: the one target forward. Returns the logits of the read rows [rows read, V], the tapped hidden
+    states of every row (None without taps) and the greedy token of each read row."""
+    logits, feats = target.forward_segments(rows.ids, rows.positions, rows.segments, rows.logit_rows, rows.taps)
     logits = logits[0]
     greedy = logits.argmax(dim=-1).tolist()  # the one device->host sync of the verify step
-    out.verify_ms = (clock() - tv) * 1e3
+    return logits, feats, greedy
 
-    th = clock()
-    lrow = 0  # index into the logits rows
-    for s, kind, start, n, extra in work:
-        f = feats[:, start:start + n] if feats is not None and s.draft is not None else None
-        rows = 1 if kind == "prefill" and extra else (n if kind == "verify" else 0)
+
+def commit(seqs: list[Sequence], rows: Rows, logits: torch.Tensor, feats: torch.Tensor | None, greedy: list[int],
+           outs: list[SequenceOutput], policy: Policy | None) -> None:
+    """Step 4: each sequence reads its rows: a prompt chunk is accounted (the last one yields the first token),
+    a pack is walked and its accepted path kept in the caches. Fills `outs` (aligned with `seqs`)."""
+    lrow = 0  # index into the read logits rows
+    for part in rows.parts:
+        s, o, n = seqs[part.index], outs[part.index], part.length
+        f = feats[:, part.start:part.start + n] if feats is not None and s.draft is not None else None
         try:  # one sequence's failure after the shared forward must not lose the others' committed tokens
-            if kind == "prefill":
-                last = extra
-                out.emitted[id(s)] = s.finish_prefill_chunk(n, logits[lrow] if last else None,
-                                                            greedy[lrow] if last else None, f)
+            if part.tree is None:
+                last = part.last_chunk
+                o.emitted = s.finish_prefill_chunk(n, logits[lrow] if last else None, greedy[lrow] if last else None,
+                                                   f)
             else:
-                tree = extra
-                emitted, path = s.commit(tree, logits[lrow:lrow + n], greedy[lrow:lrow + n], f,
-                                         out.logprobs.get(id(s)))
-                out.emitted[id(s)] = emitted
-                out.accepted[id(s)] = len(path)
-                out.trees[id(s)] = tree
-                out.paths[id(s)] = path
-                if policy is not None and len(tree):
-                    policy.observe(tree, path)
+                o.emitted, o.path = s.commit(part.tree, logits[lrow:lrow + n], greedy[lrow:lrow + n], f,
+                                             o.draft_logprobs)
+                o.accepted, o.tree = len(o.path), part.tree
+                if policy is not None and len(part.tree):
+                    policy.observe(part.tree, o.path)
             if s.cfg.logprobs is not None:
-                out.token_logprobs[id(s)] = s.new_logprobs
+                o.token_logprobs = s.new_logprobs
         except Exception as e:  # noqa: BLE001 - reported per sequence
             s.done = True
-            out.errors[id(s)] = e
-        lrow += rows
-    synchronize(device)
-    out.host_ms += (clock() - th) * 1e3
-    if policy is not None and out.accepted:
-        policy.update(sum(out.accepted.values()) + len(out.accepted), out.total_ms, drafted=bool(drafting))
-    return out
+            o.error = e
+        lrow += part.logit_rows

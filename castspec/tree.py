@@ -35,29 +35,33 @@ class Tree:
         return Tree([], [], [], [])
 
 
-def _topk_lists(logprobs: torch.Tensor, top_k: int) -> tuple[list[list[float]], list[list[int]]]:
+def _topk_lists(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [L, V], got shape {tuple(logprobs.shape)}")
-    k = min(top_k, logprobs.shape[1])
+    k = min(k, logprobs.shape[1])
     vals, ids = logprobs.float().topk(k, dim=-1)  # sorted descending
     return vals.tolist(), ids.tolist()  # one host transfer for the whole block
 
 
-def universe_size(depth: int, top_k: int) -> int:
+def universe_size(depth: int, top_k_per_position: int) -> int:
     """Number of strings in the top-K universe of a depth-L block: K + K^2 + ... + K^L."""
-    return sum(top_k ** d for d in range(1, depth + 1))
+    return sum(top_k_per_position ** d for d in range(1, depth + 1))
 
 
-def build_tree(logprobs: torch.Tensor, width: int, top_k: int) -> Tree:
-    """The `width` highest-scoring strings of the top-`top_k` universe, as a prefix-closed tree.
+def build_tree(logprobs: torch.Tensor, width: int, top_k_per_position: int | None = None, *,
+               top_k: int | None = None) -> Tree:
+    """The `width` highest-scoring strings of the universe of the top `top_k_per_position` tokens at each
+    position, as a prefix-closed tree (`top_k`: the parameter's earlier name, still accepted).
 
     Widths beyond the universe are clamped to it. Ties go to the shallower node (a prefix never loses to its
     extension), then to the earlier-found node.
     """
-    return build_forest([logprobs], width, top_k)[0]
+    if (top_k is None) == (top_k_per_position is None):
+        raise TypeError("build_tree() takes top_k_per_position (or its earlier name top_k), exactly once")
+    return build_forest([logprobs], width, top_k if top_k is not None else top_k_per_position)[0]
 
 
-def build_forest(logprobs: list[torch.Tensor], budget: int, top_k: int,
+def build_forest(logprobs: list[torch.Tensor], budget: int, top_k_per_position: int,
                  max_width: list[int] | None = None) -> list[Tree]:
     """Global best-first selection over several requests sharing one budget of `budget` nodes in total.
 
@@ -65,9 +69,9 @@ def build_forest(logprobs: list[torch.Tensor], budget: int, top_k: int,
     wherever they are (unequal widths). `max_width` optionally caps each request. Strings of probability 0
     (log-probability -inf) are never taken.
     """
-    if budget < 0 or top_k < 1:
-        raise ValueError(f"width must be >= 0 and top_k >= 1 (got {budget}, {top_k})")
-    tables = [_topk_lists(lp, top_k) for lp in logprobs]
+    if budget < 0 or top_k_per_position < 1:
+        raise ValueError(f"width must be >= 0 and top_k_per_position >= 1 (got {budget}, {top_k_per_position})")
+    tables = [_topk_lists(lp, top_k_per_position) for lp in logprobs]
     out = [([], [], [], []) for _ in logprobs]
     caps = max_width or [budget] * len(logprobs)
     # entries: (-score, depth, tiebreak, request, parent_node, position_rank)

@@ -4,9 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from castspec.allocate import PolicySpec, make_policy
 from castspec.config import DecodeConfig
 from castspec.cost import Calibration, CostProfile, RoundWidth, throughput, width_affine, width_table
-from castspec.decode import decode
+from castspec.decode import DecodeStats, decode
 from castspec.engine import Engine
 from castspec.probe import probe, probe_batch
 from conftest import llama_config, make_hf, native, random_drafter
@@ -123,19 +124,24 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     flat = profile_from(lambda n: 1.0)
     engine.set_cost_profile(flat)
     cfg = DecodeConfig(method="cast", width="auto", top_k_per_position=2, max_new_tokens=30)
-    rule = engine.width_rule(cfg)
-    assert rule.max_width == 14
+    spec = PolicySpec.for_request(cfg)
+    assert engine.cost_inputs(spec) == (flat, None)
+    assert make_policy(spec, drafter.cfg.num_draft_positions, flat).rule.max_width == 14
     ar = [t for c in decode(target, None, [1, 2, 3], DecodeConfig(method="ar", max_new_tokens=30)) for t in c]
-    from castspec.decode import DecodeStats
-
     stats = DecodeStats()
-    out = [t for c in decode(target, drafter, [1, 2, 3], cfg, stats, rule) for t in c]
+    out = [t for c in decode(target, drafter, [1, 2, 3], cfg, stats, flat) for t in c]
     assert out == ar and max(r.packed for r in stats.rounds) <= 15
+    with pytest.raises(ValueError, match="cost profile"):  # "auto" is the cost rule, not a silent fixed width
+        next(decode(target, drafter, [1, 2, 3], cfg))
+    # through the engine, which passes its profile: the same rule, the same tokens
+    r = engine.generate(input_ids=[1, 2, 3], method="cast", width="auto", top_k_per_position=2, max_new_tokens=30,
+                        stop_token_ids=())
+    assert r.token_ids == ar and max(x.packed for x in r.stats.rounds) <= 15
     # recalibrated masses: still exact, and the engine keeps what it observed for the next requests
-    cal_cfg = DecodeConfig(method="cast", width="auto", top_k_per_position=2, max_new_tokens=30, calibrate=True)
-    out = [t for c in decode(target, drafter, [1, 2, 3], cal_cfg, None, engine.width_rule(cal_cfg)) for t in c]
-    assert out == ar and engine._calibration.trials.sum() > 0
-    assert engine.width_rule(cal_cfg).calibration is engine._calibration
+    r = engine.generate(input_ids=[1, 2, 3], method="cast", width="auto", top_k_per_position=2, max_new_tokens=30,
+                        stop_token_ids=(), calibrate=True)
+    assert r.token_ids == ar and engine._calibration.trials.sum() > 0
+    assert engine.cost_inputs(spec, calibrate=True) == (flat, engine._calibration)
     # a missing profile is probed once and cached for this deployment
     engine._profile = None
     assert engine.cost_profile() is not None and list(tmp_path.glob("profiles/*.json"))

@@ -64,15 +64,17 @@ def test_compaction_equals_recomputed_cache(models):
     seq = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=60), policy.max_nodes(15))
     committed = list(prompt)
     with torch.inference_mode():
-        emitted = run_round(target, drafter, [seq], policy, prefill_budget=4).emitted.get(id(seq), [])
-        assert emitted == [] and seq.prefilled == 4  # chunked prefill: the prompt takes three rounds
+        (out,) = run_round(target, drafter, [seq], policy, prefill_budget=4).sequences
+        assert out.emitted == [] and not out.verified and seq.prefilled == 4  # chunked prefill: three rounds
         while seq.root is None:
-            emitted = run_round(target, drafter, [seq], policy, prefill_budget=4).emitted[id(seq)]
+            (out,) = run_round(target, drafter, [seq], policy, prefill_budget=4).sequences
+        emitted = out.emitted
         while len(emitted) < 30:
             root = seq.root
             policy.emitted = len(emitted)
-            out = run_round(target, drafter, [seq], policy)
-            new, path = out.emitted[id(seq)], out.paths[id(seq)]
+            (out,) = run_round(target, drafter, [seq], policy).sequences
+            new, path = out.emitted, out.path
+            assert out.accepted == len(path) and out.draft_logprobs is not None and len(out.tree) == 9
             assert path and path[0] == 2  # the decoy was skipped, the true branch accepted
             committed += [root] + new[:-1]
             emitted += new
@@ -115,17 +117,17 @@ def test_stop_tokens_and_max_new_tokens(models):
     stop = ar[7]
     first = ar.index(stop)
     for method in ("ar", "chain", "cast"):
-        out = run(target, drafter, prompt, method=method, max_new_tokens=30, stop_token_ids=(stop,))
+        out = run(target, drafter, prompt, method=method, width=15, max_new_tokens=30, stop_token_ids=(stop,))
         assert out == ar[:first + 1]  # stops at the first stop token, inclusive, even if it was a bonus token
-        assert run(target, drafter, prompt, method=method, max_new_tokens=5) == ar[:5]
-        assert run(target, drafter, prompt, method=method, max_new_tokens=1) == ar[:1]
-        assert run(target, drafter, prompt, method=method, max_new_tokens=0) == []
+        assert run(target, drafter, prompt, method=method, width=15, max_new_tokens=5) == ar[:5]
+        assert run(target, drafter, prompt, method=method, width=15, max_new_tokens=1) == ar[:1]
+        assert run(target, drafter, prompt, method=method, width=15, max_new_tokens=0) == []
 
 
 def test_context_overflow_is_a_clear_error(models):
     target, drafter = models
     with pytest.raises(ContextLengthError, match="exceeds the model's context of 512"):
-        run(target, drafter, [1] * 500, method="cast", max_new_tokens=13)
+        run(target, drafter, [1] * 500, method="cast", width=15, max_new_tokens=13)
     # exactly filling the context works, and trees near the end stay within it
     assert len(run(target, drafter, [1] * 480, method="cast", max_new_tokens=32, width=63)) == 32
 

@@ -7,7 +7,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from castspec.config import ConfigError, DecodeConfig
-from castspec.cost import CostProfile, RoundWidth
+from castspec.cost import CostProfile
 from castspec.decode import decode
 from castspec.sampling import History, LogitProcessor, choice_seed
 from castspec.serving.scheduler import Request, Scheduler, SchedulerConfig
@@ -166,9 +166,9 @@ def sampled(seed, n=24, **kw):
 def scheduler(target, drafter, policy="shared", **kw):
     # the cost policy with a profile whose slope makes it change width with the batch
     packed = [1, 2, 4, 8, 16, 32, 64, 128]
-    rule = RoundWidth(CostProfile({}, packed, [0, 1024], [[10 + 0.05 * n for n in packed]] * 2, [1.0, 1.0]), 31) \
+    profile = CostProfile({}, packed, [0, 1024], [[10 + 0.05 * n for n in packed]] * 2, [1.0, 1.0]) \
         if policy == "cost" else None
-    return Scheduler(target, drafter, SchedulerConfig(policy=policy, **kw), rule=rule)
+    return Scheduler(target, drafter, SchedulerConfig(policy=policy, **kw), profile=profile)
 
 
 def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_batch(models):

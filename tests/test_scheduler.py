@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from castspec.allocate import CostAware, SharedBudget, UniformSplit, make_policy
+from castspec.allocate import Chain, CostAware, FixedWidth, PolicySpec, SharedBudget, UniformSplit, make_policy
 from castspec.round import run_round
 from castspec.config import DecodeConfig
 from castspec.cost import CostProfile, RoundWidth
@@ -63,10 +63,10 @@ def test_batched_greedy_equals_single_request_ar(models, policy):
     lengths = [40, 17, 33, 1, 25, 40, 9]
     truth = [ar(target, p, n) for p, n in zip(ps, lengths)]
     method = "ar" if policy == "ar" else ("chain" if policy == "chain" else "cast")
-    rule = RoundWidth(flat_profile(0.05), max_width=31) if policy == "cost" else None
+    profile = flat_profile(0.05) if policy == "cost" else None
     cfg = SchedulerConfig(max_batch=4, max_queue=16, prefill_budget=11, policy=policy if policy != "ar" else "fixed",
                           width=24)
-    sched = Scheduler(target, drafter, cfg, method=method, rule=rule)
+    sched = Scheduler(target, drafter, cfg, method=method, profile=profile)
     reqs = [(p, DecodeConfig(method=method, max_new_tokens=n)) for p, n in zip(ps, lengths)]
     outs, reasons = serve_all(sched, reqs, arrivals=[0, 0, 1, 3, 3, 8, 20])
     for i, t in enumerate(truth):
@@ -100,7 +100,8 @@ def test_ragged_verify_logits_equal_per_request_dense_verify(models):
     seqs = [Sequence(target, drafter, p, DecodeConfig(max_new_tokens=8), 16) for p in ps]
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        run_round(target, drafter, seqs, None, prefill_budget=1000)
+        first = run_round(target, drafter, seqs, None, prefill_budget=1000)
+        assert [len(o.emitted) for o in first.sequences] == [1, 1, 1] and first.prefill_tokens == sum(map(len, ps))
         trees = [build_tree(torch.log_softmax(torch.randn(7, 24, generator=g) * 3, -1), w, 3) for w in (5, 0, 16)]
         ids, pos, segs, dense = [], [], [], []
         for s, tree in zip(seqs, trees):
@@ -114,6 +115,67 @@ def test_ragged_verify_logits_equal_per_request_dense_verify(models):
             dense.append(target(pack.ids, pack.positions, ref_cache, s.prefix_len, mask=pack.mask)[0][0])
         ragged, _ = target.forward_segments(torch.tensor([ids]), torch.tensor([pos]), segs)
     torch.testing.assert_close(ragged[0], torch.cat(dense), rtol=1e-4, atol=1e-4)
+
+
+def test_round_outputs_follow_the_input_order(models):
+    target, drafter = models
+    ps = prompts(3, seed=6)
+    cfgs = [DecodeConfig(method="cast", max_new_tokens=8), DecodeConfig(method="cast", max_new_tokens=0),
+            DecodeConfig(method="cast", max_new_tokens=8)]
+    seqs = [Sequence(target, drafter, p, c, 16) for p, c in zip(ps, cfgs)]
+    policy = FixedWidth(5, 3)
+    with torch.inference_mode():
+        first = run_round(target, drafter, seqs, policy, prefill_budget=1000)
+        second = run_round(target, drafter, seqs, policy)
+    # the finished sequence in the middle has an empty output at its own place
+    assert [len(o.emitted) for o in first.sequences] == [1, 0, 1] and not any(o.verified for o in first.sequences)
+    assert first.prefill_tokens == len(ps[0]) + len(ps[2])
+    assert [o.verified for o in second.sequences] == [True, False, True] and second.packed == 2 * (1 + 5)
+    for i in (0, 2):
+        o = second.sequences[i]
+        assert first.sequences[i].emitted + o.emitted == ar(target, ps[i], 8)[:1 + len(o.emitted)]
+        # drafted min(L, remaining - 1) = min(7, 6) positions; the policy's 5-node tree was verified
+        assert o.draft_logprobs.shape[0] == 6 and len(o.tree) == 5 and o.accepted == len(o.path)
+    assert second.sequences[1].emitted == [] and second.sequences[1].error is None
+
+
+def test_one_factory_from_settings_to_policy():
+    profile = flat_profile(0.05)
+    L, K = 7, 3
+    assert make_policy(PolicySpec("ar"), L) is None
+    assert isinstance(make_policy(PolicySpec("chain"), L), Chain)  # chain ignores width, "auto" included
+    assert isinstance(make_policy(PolicySpec("cast", "chain", 5), L), Chain)
+    fixed = make_policy(PolicySpec("cast", "fixed", 7, K), L)
+    assert isinstance(fixed, FixedWidth) and (fixed.width, fixed.top_k_per_position) == (7, K)
+    assert isinstance(make_policy(PolicySpec("cast", "uniform", 12, K), L), UniformSplit)
+    assert isinstance(make_policy(PolicySpec("cast", "shared", 12, K), L), SharedBudget)
+    # width "auto" is the cost rule wherever it is asked for: one request's width, a batch's budget, "cost"
+    for spec in (PolicySpec("cast", "fixed", "auto", K), PolicySpec("cast", "shared", "auto", K),
+                 PolicySpec("cast", "cost", 15, K), PolicySpec.for_request(DecodeConfig(top_k_per_position=K)),
+                 SchedulerConfig(top_k_per_position=K).policy_spec("cast")):
+        assert spec.uses_cost
+        policy = make_policy(spec, L, profile)
+        assert isinstance(policy, CostAware) and policy.top_k_per_position == K
+        assert policy.rule.max_width == profile.max_width == 127  # below the K=3, L=7 universe
+        with pytest.raises(ValueError, match="cost profile"):
+            make_policy(spec, L)
+    assert make_policy(PolicySpec("cast", "fixed", "auto", 2), 3, profile).rule.max_width == 14  # 2 + 4 + 8
+    assert not PolicySpec.for_request(DecodeConfig(method="chain")).uses_cost
+    assert not SchedulerConfig(policy="shared", width=16).policy_spec("cast").uses_cost
+    with pytest.raises(ValueError, match="uniform"):
+        PolicySpec("cast", "uniform", "auto")
+    with pytest.raises(ValueError, match="unknown allocation policy"):
+        SchedulerConfig(policy="widest")
+    with pytest.raises(ValueError, match="top_k_per_position"):
+        SchedulerConfig(top_k_per_position=0)
+    # the load tests' specs read through the same spec
+    assert PolicySpec.parse("ar") == PolicySpec("ar", "fixed", 0)
+    assert PolicySpec.parse("chain") == PolicySpec("chain", "chain", 0)
+    assert PolicySpec.parse("cost").uses_cost and PolicySpec.parse("shared:32") == PolicySpec("cast", "shared", 32)
+    for bad, match in (("fixed", "needs a width"), ("shared:x", "needs a width"), ("fixed:-1", "non-negative"),
+                       ("widest", "unknown")):
+        with pytest.raises(ValueError, match=match):
+            PolicySpec.parse(bad)
 
 
 def brute_force_best(logprobs, budget, top_k):
@@ -132,11 +194,11 @@ def test_shared_budget_allocation_is_the_brute_force_optimum():
     for trial in range(6):
         lps = [torch.log_softmax(torch.randn(3, 6, generator=g) * (1 + trial), -1) for _ in range(3)]
         for budget in (1, 4, 7):
-            trees = SharedBudget(budget, top_k=2).allocate(lps, [0, 0, 0])
+            trees = SharedBudget(budget, top_k_per_position=2).allocate(lps, [0, 0, 0])
             got = sum(sum(torch.tensor(t.scores).exp().tolist()) for t in trees)
             assert sum(len(t) for t in trees) == budget
             assert got == pytest.approx(brute_force_best(lps, budget, 2), rel=1e-6)
-            uniform = UniformSplit(budget, top_k=2).allocate(lps, [0, 0, 0])
+            uniform = UniformSplit(budget, top_k_per_position=2).allocate(lps, [0, 0, 0])
             assert got >= sum(sum(torch.tensor(t.scores).exp().tolist()) for t in uniform) - 1e-9
 
 
@@ -208,7 +270,6 @@ def test_a_failing_request_does_not_take_down_the_batch(models, monkeypatch):
     assert reasons[1][0] == "error" and "injected failure" in reasons[1][1]
     assert outs[0] == truth[0] and outs[2] == truth[2]
     assert reasons[0] == ("length", None) and reasons[2] == ("length", None)
-    assert make_policy("chain").name == "chain"
 
 
 def test_cost_policy_stops_drafting_when_plain_rounds_are_faster():

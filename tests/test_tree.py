@@ -69,6 +69,17 @@ def test_rejects_bad_arguments():
         build_tree(torch.zeros(3), 4, 2)
     with pytest.raises(ValueError):
         build_tree(torch.zeros(3, 4), -1, 2)
+    with pytest.raises(TypeError):
+        build_tree(torch.zeros(3, 4), 4)
+    with pytest.raises(TypeError):
+        build_tree(torch.zeros(3, 4), 4, 2, top_k=2)
+
+
+def test_candidates_per_position_by_either_name():
+    logprobs = torch.log_softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(4)), -1)
+    tree = build_tree(logprobs, 9, top_k_per_position=2)
+    assert tree == build_tree(logprobs, 9, 2) == build_tree(logprobs, 9, top_k=2)  # top_k: the earlier name
+    assert tree != build_tree(logprobs, 9, 3)
 
 
 def test_forest_shares_one_budget_best_first():

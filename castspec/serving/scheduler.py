@@ -22,8 +22,9 @@ from typing import Callable
 
 import torch
 
-from ..allocate import Policy, make_policy
+from ..allocate import PolicySpec, make_policy
 from ..config import DecodeConfig
+from ..cost import CostProfile
 from ..round import run_round
 from ..sequence import Sequence, check_request
 
@@ -43,13 +44,18 @@ class SchedulerConfig:
     max_batch: int = 8
     max_queue: int = 64
     prefill_budget: int = 512  # prompt tokens prefilled per round, over all newcomers
-    policy: str = "cost"  # chain | fixed | uniform | shared | cost (see castspec.allocate)
-    width: int = 15  # fixed: per request; uniform/shared: the whole batch's budget
-    top_k: int = 8
+    policy: str = "cost"  # chain | fixed | uniform | shared | cost (see castspec.allocate.PolicySpec)
+    width: int | str = 15  # fixed: per request; uniform/shared: the whole batch's budget; "auto": the cost rule
+    top_k_per_position: int = 8  # the trees' candidates at each drafted position
 
     def __post_init__(self):
-        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_budget < 1 or self.width < 0 or self.top_k < 1:
-            raise ValueError("max_batch, prefill_budget and top_k must be >= 1; max_queue and width >= 0")
+        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_budget < 1:
+            raise ValueError("max_batch and prefill_budget must be >= 1, max_queue >= 0")
+        self.policy_spec("cast")  # the policy, width and top_k_per_position checks
+
+    def policy_spec(self, method: str) -> PolicySpec:
+        """The allocation this configuration asks for, for requests decoded with `method`."""
+        return PolicySpec(method, self.policy, self.width, self.top_k_per_position)
 
 
 @dataclass
@@ -120,18 +126,16 @@ class Metrics:
 
 class Scheduler:
     def __init__(self, target, drafter, cfg: SchedulerConfig | None = None, method: str = "cast",
-                 policy: Policy | None = None, rule=None):
+                 profile: CostProfile | None = None):
+        """`profile`: the measured costs the cost rule reads (the cost policy, or width "auto")."""
         self.target, self.cfg = target, cfg or SchedulerConfig()
         self.method = method
         self.drafter = drafter if method != "ar" else None
         if method != "ar" and drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
-        if policy is None and self.drafter is not None:
-            name = "chain" if method == "chain" else self.cfg.policy
-            policy = make_policy(name, self.cfg.width, self.cfg.top_k, rule)
-        self.policy = policy
         L = self.drafter.cfg.num_draft_positions if self.drafter is not None else 0
-        self.max_nodes = policy.max_nodes(L) if policy is not None else 0
+        self.policy = make_policy(self.cfg.policy_spec(method), L, profile)
+        self.max_nodes = self.policy.max_nodes(L) if self.policy is not None else 0
         self.metrics = Metrics()
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
@@ -197,23 +201,20 @@ class Scheduler:
             raise
         m = self.metrics
         m.rounds += 1
-        decoding = sum(1 for s in seqs if id(s) in out.accepted)
+        decoding = sum(1 for o in out.sequences if o.verified)
         if decoding:
             m.batch_sizes[decoding] = m.batch_sizes.get(decoding, 0) + 1
         m.prefill_tokens += out.prefill_tokens
         now = time.perf_counter()
-        for r in batch:
-            key = id(r.seq)
-            if key in out.accepted:
-                a = out.accepted[key]
+        for r, o in zip(batch, out.sequences):
+            if o.verified:
                 m.verified += 1
-                m.committed += a + 1
-                m.acceptance[a] = m.acceptance.get(a, 0) + 1
+                m.committed += o.accepted + 1
+                m.acceptance[o.accepted] = m.acceptance.get(o.accepted, 0) + 1
                 r.rounds += 1
-            self._deliver(r, out.emitted.get(key, []), out.token_logprobs.get(key, []), now)
-            if key in out.errors:
-                err = out.errors[key]
-                self._finish(r, "error", f"{type(err).__name__}: {err}")
+            self._deliver(r, o.emitted, o.token_logprobs, now)
+            if o.error is not None:
+                self._finish(r, "error", f"{type(o.error).__name__}: {o.error}")
             else:
                 self._finish_if_done(r)
 
