@@ -73,9 +73,7 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
     const int S16 = (Smax + 15) & ~15;
     Arena arena = {NULL, 0};
     DraftScratch s;
-    draft_scratch(&arena, dm, C, T, S16, &s);
-    if (arena_open(&arena)) return -1;
-    draft_scratch(&arena, dm, C, T, S16, &s);
+    if (ARENA_LAYOUT(arena, draft_scratch(&arena, dm, C, T, S16, &s))) return -1;
     float *x = s.x, *ctx = s.ctx, *n = s.n, *proj = s.proj, *act = s.act, *heads_out = s.heads_out;
     float *probs = s.probs;
     RowAttn *see = s.see;

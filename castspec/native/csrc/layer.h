@@ -239,9 +239,9 @@ typedef struct {
 } RowAttn;
 
 /* A forward's scratch: one allocation, handed out by `take`. A forward lays its buffers out in one function
- * that takes them all from an Arena, and calls it twice through arena_open: first on an empty arena to
- * measure (take returns NULL and only counts), then on one block of the measured size. The total is thus the
- * sum of what is taken, by construction. */
+ * that takes them all from an Arena, and ARENA_LAYOUT runs it twice: first on an empty arena to measure (take
+ * returns NULL and only counts), then on one block of the measured size. The total is thus the sum of what is
+ * taken, by construction. */
 typedef struct {
     char *base;  /* NULL while measuring */
     size_t used; /* bytes taken so far, each piece rounded up to 64 (cache-line aligned) */
@@ -254,12 +254,16 @@ static void *take(Arena *a, size_t bytes) {
 }
 
 /* After a measuring pass over `a`: allocates what it counted and rewinds, for the taking pass. Returns 0, or
- * -1 when out of memory. Free a->base when done. */
+ * -1 when out of memory. */
 static int arena_open(Arena *a) {
     a->base = aligned_alloc(64, a->used ? a->used : 64);
     a->used = 0;
     return a->base ? 0 : -1;
 }
+
+/* `layout`, a call taking every buffer of a forward from `arena` (a fresh Arena), run to measure and then to
+ * take from one allocation: 0, or -1 when out of memory. Free arena.base when done. */
+#define ARENA_LAYOUT(arena, layout) ((layout), arena_open(&(arena)) ? -1 : ((layout), 0))
 
 /* Attention of M rows' query heads (row r's at q + r * ldq), each over its own RowAttn; then the output
  * projection and the residual into x [M, hidden]. probs is scratch of M * heads * S16 floats (S16: the largest

@@ -23,46 +23,46 @@ typedef simde__mmask16 __mmask16; /* simde's aliases leave out the mask types */
 typedef simde__mmask32 __mmask32;
 
 /* Masked loads read only the lanes their mask selects (as the instructions, which suppress faults on the
- * others: a row's last partial vector may end at the end of its allocation), and zero the rest. */
+ * others: a row's last partial vector may end at the end of its allocation) and zero the rest; masked stores
+ * write only those lanes. Both copy the selected lanes of `n`, each `size` bytes, through a plain array. */
+static inline void cs_copy_lanes(void *dst, const void *src, uint32_t k, int n, size_t size) {
+    for (int i = 0; i < n; ++i)
+        if (k >> i & 1) memcpy((char *)dst + i * size, (const char *)src + i * size, size);
+}
+
 static inline __m512 cs_maskz_loadu_ps(__mmask16 k, const void *p) {
     float lane[16] = {0};
-    for (int i = 0; i < 16; ++i)
-        if (k >> i & 1) memcpy(&lane[i], (const float *)p + i, sizeof(float));
+    cs_copy_lanes(lane, p, k, 16, sizeof(float));
     return simde_mm512_loadu_ps(lane);
 }
 
 static inline void cs_mask_storeu_ps(void *p, __mmask16 k, __m512 v) {
     float lane[16];
     simde_mm512_storeu_ps(lane, v);
-    for (int i = 0; i < 16; ++i)
-        if (k >> i & 1) memcpy((float *)p + i, &lane[i], sizeof(float));
+    cs_copy_lanes(p, lane, k, 16, sizeof(float));
 }
 
 static inline __m256i cs_256_maskz_loadu_epi16(__mmask16 k, const void *p) {
     uint16_t lane[16] = {0};
-    for (int i = 0; i < 16; ++i)
-        if (k >> i & 1) memcpy(&lane[i], (const uint16_t *)p + i, sizeof(uint16_t));
+    cs_copy_lanes(lane, p, k, 16, sizeof(uint16_t));
     return simde_mm256_loadu_si256(lane);
 }
 
 static inline void cs_256_mask_storeu_epi16(void *p, __mmask16 k, __m256i v) {
     uint16_t lane[16];
     simde_mm256_storeu_si256(lane, v);
-    for (int i = 0; i < 16; ++i)
-        if (k >> i & 1) memcpy((uint16_t *)p + i, &lane[i], sizeof(uint16_t));
+    cs_copy_lanes(p, lane, k, 16, sizeof(uint16_t));
 }
 
 static inline __m512i cs_512_maskz_loadu_epi16(__mmask32 k, const void *p) {
     uint16_t lane[32] = {0};
-    for (int i = 0; i < 32; ++i)
-        if (k >> i & 1) memcpy(&lane[i], (const uint16_t *)p + i, sizeof(uint16_t));
+    cs_copy_lanes(lane, p, k, 32, sizeof(uint16_t));
     return simde_mm512_loadu_si512(lane);
 }
 
 static inline __m128i cs_maskz_loadu_epi8(__mmask16 k, const void *p) {
     uint8_t lane[16] = {0};
-    for (int i = 0; i < 16; ++i)
-        if (k >> i & 1) lane[i] = ((const uint8_t *)p)[i];
+    cs_copy_lanes(lane, p, k, 16, sizeof(uint8_t));
     return simde_mm_loadu_si128(lane);
 }
 

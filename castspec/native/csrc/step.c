@@ -75,9 +75,7 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     const int S16 = (Smax + 15) & ~15;
     Arena arena = {NULL, 0};
     StepScratch s;
-    step_scratch(&arena, m, M, R, S16, &s);
-    if (arena_open(&arena)) return -1;
-    step_scratch(&arena, m, M, R, S16, &s);
+    if (ARENA_LAYOUT(arena, step_scratch(&arena, m, M, R, S16, &s))) return -1;
     float *x = s.x, *n = s.n, *proj = s.proj, *att = s.att, *act = s.act, *heads_out = s.heads_out;
     float *probs = s.probs;
     RowAttn *see = s.see;
