@@ -4,7 +4,7 @@ Round contract (paper, Appendix C): the target cache holds the prefix x (length 
 but not cached. A round drafts from the features of x and b, packs [b, tree], runs one target forward, walks
 the tree, commits b + the accepted path to both caches and makes the target's next token the new root.
 A Sequence only says which rows it contributes to a forward (a `Segment`) and what to do with their outputs;
-`castspec.batch.run_round` puts the rows of every active Sequence into one forward.
+`castspec.round.run_round` puts the rows of every active Sequence into one forward.
 """
 from __future__ import annotations
 

@@ -26,23 +26,11 @@ DEFAULT_POLICIES = "ar,chain,fixed:3,fixed:7,fixed:15,shared:16,shared:32,cost"
 
 
 def parse_spec(spec: str) -> tuple[str, str, int]:
-    """Policy spec -> (method, policy, width)."""
-    name, _, arg = spec.partition(":")
-    if name == "ar":
-        return "ar", "fixed", 0
-    if name == "chain":
-        return "chain", "chain", 0
-    if name == "cost":
-        return "cast", "cost", 15
-    if name in ("fixed", "uniform", "shared"):
-        try:
-            width = int(arg)
-        except ValueError:
-            raise ValueError(f"policy {spec!r} needs a width, e.g. {name}:15") from None
-        if width < 0:
-            raise ValueError(f"policy {spec!r}: width must be >= 0")
-        return "cast", name, width
-    raise ValueError(f"unknown policy spec {spec!r}; use {SPEC_HELP}")
+    """Policy spec -> (method, policy, width), as allocate.PolicySpec reads it (width 0 where it is unused)."""
+    from ..allocate import PolicySpec
+
+    parsed = PolicySpec.parse(spec)
+    return parsed.method, parsed.policy, parsed.width
 
 
 def soak_serve_args(args, spec: str) -> list[str]:

@@ -13,7 +13,7 @@ from .common import UserError, add_model_args, load_engine
 def scheduler_config(args):
     try:
         return SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
-                               policy=args.policy, width=args.width, top_k=args.top_k_per_position)
+                               policy=args.policy, width=args.width, top_k_per_position=args.top_k_per_position)
     except ValueError as e:
         raise UserError(str(e)) from None
 
