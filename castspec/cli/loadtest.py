@@ -9,6 +9,7 @@ import json
 import random
 from pathlib import Path
 
+from ..allocate import PolicySpec
 from ..bench.tax import measure_tax
 from ..prompts import heldout_prompts
 from ..serving.frontend import ServerConfig
@@ -27,8 +28,6 @@ DEFAULT_POLICIES = "ar,chain,fixed:3,fixed:7,fixed:15,shared:16,shared:32,cost"
 
 def parse_spec(spec: str) -> tuple[str, str, int]:
     """Policy spec -> (method, policy, width), as allocate.PolicySpec reads it (width 0 where it is unused)."""
-    from ..allocate import PolicySpec
-
     parsed = PolicySpec.parse(spec)
     return parsed.method, parsed.policy, parsed.width
 
