@@ -1,14 +1,18 @@
 """Drafter training under torchrun: 2 CPU ranks (gloo on loopback) against one process on the same global batches.
 
 Three torchrun launches in all: make-data workers + DDP training in one (`train-drafter --generate`), then a
-run stopped half-way and resumed.
+run stopped half-way and resumed. Each runs in a network namespace of its own whose only interface is loopback
+(where this machine lets the test make one).
 """
+import functools
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,8 @@ DATA_ARGS = ["--dtype", "fp32", "--max-prompts", "12", "--batch-size", "2", "--m
 TRAIN_ARGS = ["--steps", "6", "--seqs-per-step", "5", "--anchors", "6", "--block-size", "6", "--layers", "2",
               "--lr", "0.2", "--mask-token-id", "31", "--taps", "0,2", "--checkpoint-every", "2",
               "--export-every", "6", "--eval-per-domain", "0"]
+# a new user + network namespace (root inside maps back to the caller) with its loopback interface up
+NETNS = ["unshare", "--map-root-user", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
 
 
 def free_port() -> int:
@@ -30,12 +36,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@functools.cache
+def netns_works() -> bool:
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        return False
+    return subprocess.run(NETNS + ["true"], capture_output=True, timeout=30).returncode == 0
+
+
+def loopback_only(cmd: list[str]) -> list[str]:
+    """`cmd` in a network namespace whose only interface is loopback. --master-addr 127.0.0.1 is where the ranks
+    look for torchrun's rendezvous store, not where it listens: torch's TCPStore binds the wildcard address, which
+    in such a namespace is loopback alone. Without user namespaces here, `cmd` as it is, and a warning."""
+    if netns_works():
+        return NETNS + cmd
+    warnings.warn("no network namespace could be made (unshare --map-root-user --net): torchrun's rendezvous store "
+                  "listens on every interface of this machine during the test")
+    return cmd
+
+
 def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     # gloo's sockets on loopback; the launcher's rendezvous store at 127.0.0.1
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "castspec", "-v"] + args
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    out = subprocess.run(loopback_only(cmd), capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

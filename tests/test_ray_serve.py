@@ -1,13 +1,17 @@
-"""`castspec serve-ray`: a local Ray cluster (started by the command, 2 CPUs, small object store, no dashboard)
-with 2 engine replicas of a tiny random target + drafter, against single-process `castspec serve` on the same
-models: answers, errors, both replicas used, metrics over replicas, a replica killed under load."""
+"""`castspec serve-ray`: a local Ray cluster (started by the command, 2 CPUs, small object store, no dashboard,
+listening on loopback only) with 2 engine replicas of a tiny random target + drafter, against single-process
+`castspec serve` on the same models: answers, errors, both replicas used, metrics over replicas, a replica killed
+under load; autoscaling from 1 to 2 replicas under load; the deployment options (CPUs, GPUs, autoscaling)."""
 import asyncio
+import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,10 +20,13 @@ import pytest
 pytest.importorskip("ray.serve", reason="the Ray tests need castspec[ray] (make test installs it)")
 
 from castspec import load  # noqa: E402
+from castspec.cli.serve_ray import RAY_CLUSTER_MODE  # noqa: E402
+from castspec.models.load import save_drafter  # noqa: E402
+from castspec.serving.frontend import ServerConfig  # noqa: E402
 from castspec.serving.live import LiveServer  # noqa: E402
-from castspec.serving.ray_serve import commits, merge_snapshots  # noqa: E402
+from castspec.serving.ray_serve import (EngineReplica, ReplicaOptions, ScaleConfig, commits,  # noqa: E402
+                                        engine_options, merge_snapshots)
 from castspec.serving.scheduler import SchedulerConfig  # noqa: E402
-from castspec.serving.frontend import ServerConfig
 from castspec.serving.server import create_app  # noqa: E402
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer  # noqa: E402
 
@@ -28,8 +35,6 @@ SERVE_ARGS = ["--dtype", "fp32", "--policy", "shared", "--width", "16", "--max-b
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from castspec.models.load import save_drafter
-
     root = tmp_path_factory.mktemp("ray")
     hf = make_hf(llama_config(vocab=24, max_position_embeddings=256), seed=1)
     hf.save_pretrained(root / "target")
@@ -39,8 +44,6 @@ def models(tmp_path_factory):
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -60,35 +63,48 @@ def wait_for(check, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def live_replicas(url: str) -> dict:
+def live_replicas(url: str, n: int = 2) -> dict:
     h = get(url, "/health").json()
-    return h["per_replica"] if h["replicas"].get("RUNNING") == 2 and len(h["per_replica"]) == 2 else {}
+    return h["per_replica"] if h["replicas"].get("RUNNING") == n and len(h["per_replica"]) == n else {}
 
 
-@pytest.fixture(scope="module")
-def ray_app(models):
-    """`castspec serve-ray` in its own session (so that teardown can always stop what it started)."""
+@contextmanager
+def serve_ray(models, args: list[str], env: dict | None = None):
+    """`castspec serve-ray` in its own session (so that teardown can always stop what it started), on a local
+    cluster of 2 CPUs; yields (url, the command's process)."""
     target, drafter = models
     port = free_port()
     cmd = [str(Path(sys.executable).parent / "castspec"), "serve-ray", "--target", str(target), "--drafter",
-           str(drafter), "--replicas", "2", "--local-cpus", "2", "--object-store-mb", "80", "--port", str(port)]
-    log = open(target.parent / "serve-ray.log", "w")
-    proc = subprocess.Popen(cmd + SERVE_ARGS, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-    try:
-        line = proc.stdout.readline()  # the command prints its URL once the application is up
-        assert line, f"serve-ray exited: {(target.parent / 'serve-ray.log').read_text()[-3000:]}"
-        url = json.loads(line)["url"]
-        assert url == f"http://127.0.0.1:{port}"
-        wait_for(lambda: live_replicas(url), 120, "2 replicas reporting")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGINT)  # the command deletes the app and stops the cluster it started
+           str(drafter), "--local-cpus", "2", "--object-store-mb", "80", "--port", str(port)] + SERVE_ARGS + args
+    log_path = target.parent / f"serve-ray-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                                env={**os.environ, **(env or {})})
         try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+            line = proc.stdout.readline()  # the command prints its URL once the application is up
+            assert line, f"serve-ray exited: {log_path.read_text()[-3000:]}"
+            url = json.loads(line)["url"]
+            assert url == f"http://127.0.0.1:{port}"
+            yield url, proc
+        finally:
+            proc.send_signal(signal.SIGINT)  # the command deletes the app and stops the cluster it started
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(models):
+    with serve_ray(models, ["--replicas", "2"]) as (url, proc):
+        wait_for(lambda: live_replicas(url), 120, "2 replicas reporting")
+        yield url, proc
+
+
+@pytest.fixture(scope="module")
+def ray_app(ray_cluster):
+    return ray_cluster[0]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +160,83 @@ async def stream_one(client: httpx.AsyncClient, path: str, body: dict) -> dict:
                 tokens += bool(piece)
                 text += piece
     return {"text": text, "error": error, "done": done, "replica": r.headers.get("x-castspec-replica")}
+
+
+# Serve pushes its load metrics every 10 s by default; each second here, so the test need not wait for them
+FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+
+
+def test_autoscaling_goes_from_1_to_2_replicas_under_load_and_no_further(models):
+    """Its own serve-ray (before the module's 2-replica one starts, in file order): min 1, max 2, a target of 1
+    ongoing request per replica and half a CPU each, so that the cluster's 2 CPUs could hold 4 replicas and only
+    --max-replicas stops Serve at 2 while 6 clients keep it busy."""
+    args = ["--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay", "0",
+            "--cpus-per-replica", "0.5"]
+    with serve_ray(models, args, FAST_METRICS) as (url, _):
+        wait_for(lambda: live_replicas(url, 1), 120, "1 replica reporting")
+        assert get(url, "/health").json()["replicas"] == {"RUNNING": 1}
+
+        async def load_until_two(limit_s: float = 60):
+            states, codes, stop = [], [], asyncio.Event()
+
+            async def client_loop(client, path, body):
+                while not stop.is_set():
+                    codes.append((await client.post(path, json=body)).status_code)
+
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                clients = [asyncio.create_task(client_loop(client, p, b)) for p, b in bodies(6, max_tokens=60)]
+                deadline = time.time() + limit_s
+                while time.time() < deadline and (not states or states[-1].get("RUNNING") != 2):
+                    states.append((await client.get("/health")).json()["replicas"])
+                    await asyncio.sleep(0.5)
+                stop.set()
+                await asyncio.gather(*clients)
+            return states, codes
+
+        states, codes = asyncio.run(load_until_two())
+        assert states[-1] == {"RUNNING": 2}, states[-5:]
+        assert max(sum(s.values()) for s in states) == 2  # never a third replica, even starting
+        assert codes and set(codes) == {200}
+        wait_for(lambda: live_replicas(url, 2), 10, "both replicas reporting")
+
+
+def listening(session: int) -> dict[str, set]:
+    """The TCP addresses that the processes of one session listen on, by process name (from /proc)."""
+    owners = {}  # socket inode -> process name
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[3]) != session:  # state, ppid, pgrp, session
+                continue
+            for fd in (d / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owners[link[8:-1]] = stat[stat.index("(") + 1:stat.rindex(")")]
+        except (OSError, ValueError):  # not a process, or one that ended meanwhile
+            continue
+    out: dict[str, set] = {}
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in owners:  # 0A: LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])  # 32-bit words, each in host (little-endian) order
+                addr = socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                out.setdefault(owners[fields[9]], set()).add(ipaddress.ip_address(addr))
+    return out
+
+
+def test_the_local_cluster_listens_on_loopback_only(ray_cluster):
+    """Every Ray process of the cluster that serve-ray started, and Serve's HTTP proxy, listen on loopback only;
+    the exception is the one server that each Serve replica opens for calls between deployments, which Ray Serve
+    2.60 binds to [::] with no option to change it (docs/scale-out.md)."""
+    url, proc = ray_cluster
+    found = listening(proc.pid)  # the command leads its own session; Ray's processes stay in it
+    assert {"gcs_server", "raylet", "ray::ProxyActor", "ray::ServeContr", "ray::ServeRepli"} <= set(found), found
+    for name, addrs in found.items():
+        beyond = {a for a in addrs if not (a.is_loopback or (a.version == 6 and a.ipv4_mapped
+                                                             and a.ipv4_mapped.is_loopback))}
+        assert beyond <= ({ipaddress.ip_address("::")} if name == "ray::ServeRepli" else set()), (name, beyond)
 
 
 def test_32_concurrent_requests_equal_single_process_serve_on_both_replicas(ray_app, single):
@@ -268,12 +361,34 @@ def test_sse_commit_points_and_merged_metrics():
     assert m["goodput_tokens_per_s"] == 12 / 4.0
 
 
-def test_serve_ray_bad_options_exit_2_before_starting_ray(capsys):
+def test_engine_options_reach_the_deployment():
+    def deployment(device="cpu", **scale):
+        return EngineReplica.options(**engine_options(ReplicaOptions(device=device), ScaleConfig(**scale)))
+
+    d = deployment(replicas=3, cpus_per_replica=2)
+    assert d.num_replicas == 3 and d.ray_actor_options == {"num_cpus": 2, "num_gpus": 0.0}
+    assert d.max_ongoing_requests == 8 + 64 and d.max_queued_requests == 64  # max_batch + max_queue, router_queue
+    assert deployment("cuda").ray_actor_options["num_gpus"] == 1.0  # a CUDA replica reserves a GPU by default
+    assert deployment("cuda", gpus_per_replica=0.5).ray_actor_options["num_gpus"] == 0.5
+    assert deployment("cuda:1", gpus_per_replica=2).ray_actor_options["num_gpus"] == 2
+    auto = deployment(min_replicas=1, max_replicas=2, target_ongoing_requests=1.5, upscale_delay_s=0,
+                      downscale_delay_s=20)._deployment_config.autoscaling_config  # as Serve will apply it
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 2, 1.5)
+    assert (auto.upscale_delay_s, auto.downscale_delay_s) == (0, 20)
+    default = deployment(min_replicas=0, max_replicas=3)._deployment_config.autoscaling_config
+    assert (default.min_replicas, default.upscale_delay_s, default.downscale_delay_s) == (0, 30, 600)  # Serve's
+
+
+def test_serve_ray_bad_options_exit_2_before_starting_ray(capsys, monkeypatch):
     from castspec.cli import main
 
+    monkeypatch.delenv(RAY_CLUSTER_MODE, raising=False)  # the command sets it for a local cluster: undone after
     for args, needle in [(["--replicas", "0"], "replicas"), (["--min-replicas", "1"], "--max-replicas"),
                          (["--min-replicas", "3", "--max-replicas", "2"], "min-replicas"),
-                         (["--method", "beam"], "unknown method"), (["--port", "0"], "--port")]:
+                         (["--min-replicas", "1", "--max-replicas", "2", "--upscale-delay", "-1"], "delays"),
+                         (["--method", "beam"], "unknown method"), (["--port", "0"], "--port"),
+                         (["--device", "cuda", "--gpus-per-replica", "0"], "--gpus-per-replica > 0"),
+                         (["--device", "cuda:1", "--gpus-per-replica", "1"], "numbered from 0")]:
         assert main(["serve-ray"] + args) == 2
         err = capsys.readouterr().err
-        assert needle in err and len(err.strip().splitlines()) == 1
+        assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -1,35 +1,46 @@
 """`castspec serve-ray`: `castspec serve` as a Ray Serve application of several engine replicas.
 
-Ray is imported only when the command runs (castspec.ray_serve), so the plain install never needs it.
+Ray is imported only when the command runs (castspec.serving.ray_serve), so the plain install never needs it.
 """
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 
+from .common import UserError, add_model_args, load_engine
+from .serve import add_limit_args, add_scheduler_args, serving_configs
+
+# Ray's switch for its single-node mode (named for the platforms where that mode is the default). Off while Ray is
+# imported and a cluster starts, the node's address is 127.0.0.1 and every Ray process of it (GCS, raylet, workers,
+# agents) listens on loopback only; on (Ray's default on Linux), they listen on every interface so that other nodes
+# can join. A cluster that serve-ray starts is its own, never joined: it needs the mode off.
+RAY_CLUSTER_MODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
 
 def cmd_serve_ray(args) -> int:
-    from .common import UserError, load_engine
-    from .serve import serving_configs
-
     sched, server_cfg = serving_configs(args)
+    local = not (args.ray_address or os.environ.get("RAY_ADDRESS"))
+    if local:  # before Ray is imported: it reads the switch then, and its processes inherit it
+        os.environ[RAY_CLUSTER_MODE] = "0"
     try:
         from ..serving import ray_serve
     except ImportError as e:
         raise UserError(f"serve-ray needs Ray Serve ({e.name} is missing): pip install 'castspec[ray]'") from None
     try:
-        scale = ray_serve.ScaleConfig(replicas=args.replicas, min_replicas=args.min_replicas,
-                                      max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
-                                      cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
-                                      attempts=args.attempts,
-                                      router_queue=args.max_queue if args.router_queue is None else args.router_queue)
+        scale = ray_serve.ScaleConfig(
+            replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests, upscale_delay_s=args.upscale_delay,
+            downscale_delay_s=args.downscale_delay, cpus_per_replica=args.cpus_per_replica,
+            gpus_per_replica=args.gpus_per_replica, attempts=args.attempts,
+            router_queue=args.max_queue if args.router_queue is None else args.router_queue)
+        options = ray_serve.ReplicaOptions(target=args.target, drafter=args.drafter, device=args.device,
+                                           dtype=args.dtype, method=args.method, scheduler=sched, server=server_cfg,
+                                           threads=max(1, int(args.cpus_per_replica)))
+        ray_serve.engine_options(options, scale)  # the device and GPU checks, before any model loads
     except ValueError as e:
         raise UserError(str(e)) from None
-    options = ray_serve.ReplicaOptions(target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
-                                       method=args.method, scheduler=sched, server=server_cfg,
-                                       threads=max(1, int(args.cpus_per_replica)))
-    local = not (args.ray_address or _ray_address_in_env())
     if local:  # the replicas will read the same files: fail here, with `castspec serve`'s message, not in N replicas
         engine = load_engine(args)
         if args.method != "ar" and engine.drafter is None:
@@ -49,12 +60,6 @@ def cmd_serve_ray(args) -> int:
     return 0
 
 
-def _ray_address_in_env() -> bool:
-    import os
-
-    return bool(os.environ.get("RAY_ADDRESS"))
-
-
 def _wait_for_signal() -> None:
     """Block until SIGINT or SIGTERM (Ctrl-C, or a process manager stopping the command)."""
     stop = threading.Event()
@@ -64,13 +69,11 @@ def _wait_for_signal() -> None:
 
 
 def register(sub) -> None:
-    from .common import add_model_args
-    from .serve import add_limit_args, add_scheduler_args
-
     p = sub.add_parser("serve-ray", help="castspec serve on Ray Serve: N engine replicas behind one ingress",
                        description="The routes of `castspec serve` (same validation, errors and SSE) relayed to "
                                    "engine replicas, each with its own continuous-batching scheduler. Connects to "
-                                   "--ray-address (or RAY_ADDRESS), else starts a local Ray cluster. docs/scale-out.md")
+                                   "--ray-address (or RAY_ADDRESS), else starts a local Ray cluster that listens on "
+                                   "loopback only. docs/scale-out.md")
     add_model_args(p)
     add_scheduler_args(p)
     add_limit_args(p)  # each replica's app applies them, as `castspec serve` does
@@ -83,8 +86,13 @@ def register(sub) -> None:
     p.add_argument("--max-replicas", type=int, default=None, help="autoscaling: at most this many replicas")
     p.add_argument("--target-ongoing-requests", type=float, default=4.0,
                    help="autoscaling: ongoing requests per replica Serve scales to keep")
+    p.add_argument("--upscale-delay", type=float, default=None,
+                   help="autoscaling: seconds the load must call for more replicas before one starts (Serve: 30)")
+    p.add_argument("--downscale-delay", type=float, default=None,
+                   help="autoscaling: seconds the load must call for fewer replicas before one stops (Serve: 600)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each replica reserves (torch threads)")
-    p.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs each replica reserves (--device cuda)")
+    p.add_argument("--gpus-per-replica", type=float, default=None,
+                   help="GPUs each replica reserves (default 1 with --device cuda, 0 on the CPU)")
     p.add_argument("--attempts", type=int, default=4,
                    help="replicas a request may be tried on when one dies before it streamed a token")
     p.add_argument("--router-queue", type=int, default=None,

@@ -17,24 +17,29 @@ This is the only module that imports ray, so the plain install never needs it.
 import asyncio
 import json
 import logging
+import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import ray
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
+from ..engine import load
 from .frontend import ServerConfig
+from .live import LOOPBACK, LiveServer
 from .metrics import prometheus
 from .protocol import ApiError, error_response
 from .scheduler import SchedulerConfig
-from .server import read_body
+from .server import create_app, read_body
 
 log = logging.getLogger("castspec.ray")
 
@@ -69,8 +74,10 @@ class ScaleConfig:
     min_replicas: int | None = None  # both set: autoscaling between them instead of a fixed `replicas`
     max_replicas: int | None = None
     target_ongoing_requests: float = 4.0  # autoscaling: ongoing requests per replica Serve aims for
+    upscale_delay_s: float | None = None  # autoscaling: how long load must call for more replicas (None: Serve's)
+    downscale_delay_s: float | None = None  # ... and for fewer
     cpus_per_replica: float = 1.0
-    gpus_per_replica: float = 0.0
+    gpus_per_replica: float | None = None  # None: one per replica on CUDA, none on the CPU (replica_gpus)
     attempts: int = 4  # replicas a request may be tried on before the ingress answers 503
     router_queue: int = 64  # requests waiting in Serve's router for a free replica slot, beyond that 429
 
@@ -79,14 +86,56 @@ class ScaleConfig:
             raise ValueError("give both --min-replicas and --max-replicas (autoscaling) or neither")
         if self.autoscaling and not (0 <= self.min_replicas <= self.max_replicas and self.max_replicas >= 1):
             raise ValueError("autoscaling needs 0 <= min-replicas <= max-replicas and max-replicas >= 1")
-        if self.replicas < 1 or self.cpus_per_replica < 0 or self.gpus_per_replica < 0 or self.attempts < 1:
+        if self.replicas < 1 or self.cpus_per_replica < 0 or (self.gpus_per_replica or 0) < 0 or self.attempts < 1:
             raise ValueError("replicas and attempts must be >= 1; CPUs and GPUs per replica >= 0")
         if self.target_ongoing_requests <= 0 or self.router_queue < 0:
             raise ValueError("the target of ongoing requests must be > 0 and the router queue >= 0")
+        if any(d is not None and d < 0 for d in (self.upscale_delay_s, self.downscale_delay_s)):
+            raise ValueError("the upscale and downscale delays must be >= 0 seconds")
 
     @property
     def autoscaling(self) -> bool:
         return self.min_replicas is not None
+
+
+def replica_gpus(device: str, gpus: float | None) -> float:
+    """The GPUs one replica reserves for `device`: as given, else one on CUDA and none on the CPU.
+
+    Ray hides every GPU from an actor that reserves none (CUDA_VISIBLE_DEVICES is empty there), and shows one that
+    reserves some only those, numbered from 0: a CUDA replica without GPUs, or one asking for a device number it
+    cannot see, would fail in every replica after the cluster started, so both are refused here."""
+    cuda = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if gpus is None:
+        return 1.0 if cuda else 0.0
+    if cuda and gpus == 0:
+        raise ValueError(f"--device {device} needs --gpus-per-replica > 0: Ray hides the GPUs from a replica "
+                         "that reserves none")
+    if cuda and cuda.group(1) is not None and int(cuda.group(1)) >= math.ceil(gpus):
+        raise ValueError(f"--device {device}: a replica sees only the {math.ceil(gpus)} GPU(s) it reserves, "
+                         "numbered from 0 (use --device cuda)")
+    if not cuda and gpus > 0:
+        log.warning("castspec: each replica reserves %g GPU(s) that --device %s does not use", gpus, device)
+    return float(gpus)
+
+
+def engine_options(options: ReplicaOptions, scale: ScaleConfig) -> dict:
+    """The options of the EngineReplica deployment (Deployment.options): resources, replica count or autoscaling,
+    and how many requests a replica and Serve's router take."""
+    sched = options.scheduler
+    out = dict(ray_actor_options={"num_cpus": scale.cpus_per_replica,
+                                  "num_gpus": replica_gpus(options.device, scale.gpus_per_replica)},
+               # a replica takes what its scheduler batches and queues; Serve's router holds the rest
+               max_ongoing_requests=sched.max_batch + sched.max_queue, max_queued_requests=scale.router_queue)
+    if scale.autoscaling:
+        auto = {"min_replicas": scale.min_replicas, "max_replicas": scale.max_replicas,
+                "target_ongoing_requests": scale.target_ongoing_requests}
+        for key in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(scale, key) is not None:
+                auto[key] = getattr(scale, key)
+        out["autoscaling_config"] = auto
+    else:
+        out["num_replicas"] = scale.replicas
+    return out
 
 
 def commits(event: str) -> bool:
@@ -121,12 +170,6 @@ class EngineReplica:
     """One engine + scheduler + `castspec serve`'s app on a loopback port of this process."""
 
     def __init__(self, options: ReplicaOptions, board):
-        import torch
-
-        from ..engine import load
-        from .live import LiveServer
-        from .server import create_app
-
         torch.set_num_threads(max(1, options.threads))
         engine = load(target=options.target, drafter=options.drafter, device=options.device, dtype=options.dtype)
         self.scheduler = engine.scheduler(options.scheduler, options.method)
@@ -337,29 +380,27 @@ class Ingress:
 
 def build_app(options: ReplicaOptions, scale: ScaleConfig):
     """The Serve application: Ingress -> EngineReplica x N, both reporting to / reading from one Board."""
-    sched = options.scheduler
-    engine_opts = dict(ray_actor_options={"num_cpus": scale.cpus_per_replica, "num_gpus": scale.gpus_per_replica},
-                       # a replica takes what its scheduler batches and queues; Serve's router holds the rest
-                       max_ongoing_requests=sched.max_batch + sched.max_queue, max_queued_requests=scale.router_queue)
-    if scale.autoscaling:
-        engine_opts["autoscaling_config"] = {"min_replicas": scale.min_replicas, "max_replicas": scale.max_replicas,
-                                             "target_ongoing_requests": scale.target_ongoing_requests}
-    else:
-        engine_opts["num_replicas"] = scale.replicas
-    engine = EngineReplica.options(**engine_opts)
+    engine = EngineReplica.options(**engine_options(options, scale))
     board = Board.bind()
     return Ingress.bind(engine.bind(options, board), board, scale, "EngineReplica", options.server.max_body_bytes)
 
 
 def connect(address: str | None, num_cpus: int | None = None, object_store_mb: int | None = None) -> bool:
-    """Join the cluster at `address` (or RAY_ADDRESS), else start a local one. Returns True if it started one."""
+    """Join the cluster at `address` (or RAY_ADDRESS), else start a local one. Returns True if it started one.
+
+    A local cluster gets the node address 127.0.0.1, and then every Ray process of it listens on loopback only,
+    only if Ray was imported in its single-node mode (`castspec serve-ray` sets that up: cli/serve_ray.py)."""
     if ray.is_initialized():
         return False
     started = not (address or os.environ.get("RAY_ADDRESS"))
     if started:
         # "local": a new cluster of this process's own, never one some other command left running here
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                  object_store_memory=object_store_mb * 2 ** 20 if object_store_mb else None)
+        node = ray.util.get_node_ip_address()
+        if node not in LOOPBACK:
+            log.warning("castspec: the local Ray cluster has the node address %s: its processes listen on every "
+                        "interface of this machine (docs/scale-out.md)", node)
     else:
         ray.init(address=address)
     return started
