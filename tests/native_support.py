@@ -13,12 +13,18 @@ from castspec.native import build as native
 
 
 def mode() -> str | None:
-    """The CASTSPEC_NATIVE value these tests run under here, None where none can."""
+    """The CASTSPEC_NATIVE value these tests run under here, None where none can (skip_reason says why)."""
     if env.native_mode() == "off":
-        return None  # turned off for this run
+        return None
     if native.cpu_supported():
         return "1"
     return "emulate" if native.emulation_available() else None
+
+
+def skip_reason() -> str:
+    if env.native_mode() == "off":
+        return "CASTSPEC_NATIVE=0 for this run"
+    return "no AVX-512 BF16 CPU, and no simde headers (libsimde-dev) to emulate one"
 
 
 def native_library(monkeypatch):
@@ -26,7 +32,7 @@ def native_library(monkeypatch):
     cached library() lookup cleared around it (the build itself is cached on disk, in the session's cache)."""
     chosen = mode()
     if chosen is None:
-        pytest.skip("no AVX-512 BF16 CPU, and no simde headers (libsimde-dev) to emulate one")
+        pytest.skip(skip_reason())
     monkeypatch.setenv("CASTSPEC_NATIVE", chosen)
     library = native.library  # the cached lookup itself, even if a test replaces native.library
     library.cache_clear()
