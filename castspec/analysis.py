@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .cost import Calibration, width_affine, width_table
 from .decode import decode
 from .tree import build_tree
 
@@ -68,7 +69,6 @@ def mass_curves(logs: list[dict], max_width: int = 127, K: int = 8) -> dict:
     """Mean sorted prefix-mass curve rho_(1..N) per domain (Figure 4c), the empirical hit rate per rank, and the
     curve after recalibrating every node's mass on the acceptance observed in these rounds (cost.Calibration:
     depth x mass bins, monotone), the masses the rules would read with `calibrate=True` once warmed up."""
-    from .cost import Calibration
 
     by, hits, nodes_by = defaultdict(list), defaultdict(list), defaultdict(list)
     for log in logs:
@@ -165,8 +165,7 @@ def fixed_shape_commit(log: dict, budget: int) -> int:
 
 
 def predicted_widths(curves: dict, profile, prefix: int, max_width: int) -> dict:
-    from .cost import width_affine, width_table
-
+    """Per domain, the width the affine and the table rule pick for its mean mass curve."""
     out = {}
     for d, c in curves.items():
         m = np.asarray(c["mean_mass"])

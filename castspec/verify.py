@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sampling import draft_proposal
 from .tree import Tree
 
 
@@ -77,8 +78,6 @@ def sampled_walk(tree: Tree, target_logits, draft_logprobs, sampler, direct: boo
     direct=False: proposal-aware recursive rejection sampling over each visited node's children.
     direct=True: the simpler walk that samples the target at each node and descends if a child matches.
     """
-    from .sampling import draft_proposal
-
     kids: list[list[int]] = [[] for _ in range(len(tree) + 1)]
     for i, par in enumerate(tree.parents, start=1):
         kids[par + 1].append(i)

@@ -18,10 +18,13 @@ from pathlib import Path
 from statistics import mean, median
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..engine import load
 from ..models.load import resolve_target_dir, rope_parameters_of
+from ..native import build as native
+from ..native.linear import WeightPack, compiled_rowdot, packed_linear, packing_available
 from ..round import synchronize
 from ..train.trainer import TrainConfig, drafter_config_for, init_drafter
 
@@ -58,11 +61,6 @@ def gemv_ms(target, repeats: int = 6) -> dict:
     On CPU: `native` is castspec's own kernel (castspec/native/build.py, what the engine's native forwards run on),
     `onednn` torch's oneDNN kernel on a pre-packed weight, `reduction` an inductor-compiled
     multiply-and-sum; elsewhere `torch` is F.linear. `best` takes the fastest kernel for every matrix."""
-    import torch.nn.functional as F
-
-    from ..native import build as native
-    from ..native.linear import WeightPack, compiled_rowdot, packed_linear, packing_available
-
     # the matrices the forward multiplies: fused q|k|v and gate|up, o_proj, down_proj, the lm_head
     mats = [w for layer in target.model.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
                                                          layer.mlp.gate_up_weight, layer.mlp.down_proj.weight)]
