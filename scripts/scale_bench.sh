@@ -15,7 +15,7 @@ LOAD=(--concurrency 8 --requests 32 --max-tokens 64 --per-domain 4)
 PROBE=(--concurrency 1 --requests 30 --max-tokens 1 --per-domain 4)
 mkdir -p "$OUT"
 
-free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() { "$PY" -c 'from castspec.serving.live import free_port; print(free_port())'; }
 
 wait_healthy() {  # URL: until /health answers ok (replicas loaded)
   for _ in $(seq 1 600); do

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import warnings
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from castspec.cli import main
+from castspec.serving.live import free_port
 from conftest import llama_config, make_hf, tiny_tokenizer
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -28,12 +28,6 @@ TRAIN_ARGS = ["--steps", "6", "--seqs-per-step", "5", "--anchors", "6", "--block
               "--export-every", "6", "--eval-per-domain", "0"]
 # a new user + network namespace (root inside maps back to the caller) with its loopback interface up
 NETNS = ["unshare", "--map-root-user", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @functools.cache

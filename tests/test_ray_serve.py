@@ -23,7 +23,7 @@ from castspec import load  # noqa: E402
 from castspec.cli.serve_ray import RAY_CLUSTER_MODE  # noqa: E402
 from castspec.models.load import save_drafter  # noqa: E402
 from castspec.serving.frontend import ServerConfig  # noqa: E402
-from castspec.serving.live import LiveServer  # noqa: E402
+from castspec.serving.live import LiveServer, free_port  # noqa: E402
 from castspec.serving.ray_serve import (EngineReplica, ReplicaOptions, ScaleConfig, commits,  # noqa: E402
                                         engine_options, merge_snapshots)
 from castspec.serving.scheduler import SchedulerConfig  # noqa: E402
@@ -41,12 +41,6 @@ def models(tmp_path_factory):
     tiny_tokenizer(24).save_pretrained(root / "target")
     save_drafter(random_drafter(native(hf), block_size=8, seed=2), root / "drafter")
     return root / "target", root / "drafter"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, path: str, **kw) -> httpx.Response:

@@ -113,9 +113,7 @@ def replica_gpus(device: str, gpus: float | None) -> float:
     if cuda and cuda.group(1) is not None and int(cuda.group(1)) >= math.ceil(gpus):
         raise ValueError(f"--device {device}: a replica sees only the {math.ceil(gpus)} GPU(s) it reserves, "
                          "numbered from 0 (use --device cuda)")
-    if not cuda and gpus > 0:
-        log.warning("castspec: each replica reserves %g GPU(s) that --device %s does not use", gpus, device)
-    return float(gpus)
+    return float(gpus)  # GPUs with another device: reserved (say, to place replicas on GPU nodes), unused
 
 
 def engine_options(options: ReplicaOptions, scale: ScaleConfig) -> dict:
