@@ -90,3 +90,22 @@ def test_spelled_out_kv_heads_equal_grouped_attention():
     for h in range(6):
         w = (q[0, h] @ k[0, h // 3].T / 8 ** 0.5).masked_fill(~mask[0, 0], float("-inf")).softmax(-1)
         torch.testing.assert_close(spelled[0, h], w @ v[0, h // 3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [lambda: llama_config(tie=False, attention_bias=True), qwen3_config],
+                         ids=["llama-bias", "qwen3"])
+def test_converting_a_built_model_keeps_its_fused_weights(config):
+    """`.to(dtype)` after building: the fused q|k|v and gate|up matrices follow the converted Parameters (the
+    forward reads the fused ones), so the result equals a model built in that dtype from the start."""
+    hf = make_hf(config())
+    converted = native(hf).to(torch.float64).to(torch.bfloat16)
+    built = native(hf, dtype=torch.bfloat16)
+    layer = converted.model.layers[0]
+    assert layer.self_attn.qkv_weight.dtype == torch.bfloat16
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv_weight.data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() != layer.mlp.gate_up_weight.data_ptr()  # a view at its offset
+    ids = torch.randint(0, hf.config.vocab_size, (1, 9))
+    pos = torch.arange(9)[None]
+    got, _ = converted(ids, pos, converted.new_cache(16), 0, causal=True)
+    want, _ = built(ids, pos, built.new_cache(16), 0, causal=True)
+    assert torch.equal(got, want)

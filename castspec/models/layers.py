@@ -32,7 +32,8 @@ def fused_linears(parent: nn.Module, in_features: int, outs: dict[str, int], bia
 
     Loading a checkpoint writes through the views, so the forward can run one GEMM (q|k|v or gate|up)
     instead of several: on CPU each op costs microseconds of dispatch, and a 30-layer decode step is
-    otherwise dominated by it. Build the module on its final device/dtype: `.to()` would break the aliasing.
+    otherwise dominated by it. `.to()` / `.float()` convert each Parameter on its own, which ends the
+    aliasing: the owning module's `_apply` fuses them again (`refused`).
     The fused tensors are plain tensors, invisible to autograd: forwards take them through `fused_params`.
     """
     total = sum(outs.values())
@@ -47,6 +48,27 @@ def fused_linears(parent: nn.Module, in_features: int, outs: dict[str, int], bia
         setattr(parent, name, lin)
         offset += out
     return weight, fused_bias
+
+
+def refused(parent: nn.Module, names: tuple[str, ...], weight: torch.Tensor,
+            bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused weight and bias after a conversion of `parent`: unchanged while the children are still views of
+    them, otherwise one new matrix (and vector) from the converted children, which become views of it again."""
+    children = [getattr(parent, n) for n in names]
+    first = children[0].weight
+    if first.data_ptr() == weight.data_ptr() and first.dtype == weight.dtype and first.device == weight.device:
+        return weight, bias
+    with torch.no_grad():
+        weight = torch.cat([c.weight for c in children])
+        bias = None if bias is None else torch.cat([c.bias for c in children])
+    offset = 0
+    for c in children:
+        rows = c.weight.shape[0]
+        c.weight = nn.Parameter(weight[offset:offset + rows], requires_grad=c.weight.requires_grad)
+        if bias is not None:
+            c.bias = nn.Parameter(bias[offset:offset + rows], requires_grad=c.bias.requires_grad)
+        offset += rows
+    return weight, bias
 
 
 def fused_params(parent: nn.Module, names: tuple[str, ...], weight: torch.Tensor, bias: torch.Tensor | None):
@@ -70,6 +92,12 @@ class MLP(nn.Module):
             self, hidden, {"gate_proj": inter, "up_proj": inter}, bias, dtype, device)
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
         self._gate_up_pack, self._down_pack = WeightPack(), WeightPack()
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.gate_up_weight, self.gate_up_bias = refused(self, ("gate_proj", "up_proj"), self.gate_up_weight,
+                                                         self.gate_up_bias)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = fused_params(self, ("gate_proj", "up_proj"), self.gate_up_weight, self.gate_up_bias)
@@ -95,6 +123,12 @@ class QKVProjection(nn.Module):
             self.q_norm = self.k_norm = None
         self._q_rows = heads * head_dim  # rows of the fused q|k|v matrix that belong to q
         self._qkv_pack, self._kv_pack, self._o_pack = WeightPack(), WeightPack(), WeightPack()
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.qkv_weight, self.qkv_bias = refused(self, ("q_proj", "k_proj", "v_proj"), self.qkv_weight,
+                                                 self.qkv_bias)
+        return out
 
     def qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return fused_params(self, ("q_proj", "k_proj", "v_proj"), self.qkv_weight, self.qkv_bias)
