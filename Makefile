@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # the tests also cover serve-ray, so they install Ray Serve (make demo does not)
+# and SIMD Everywhere's headers (Debian: libsimde-dev), which let the tests run castspec's AVX-512 C code
+# emulated on CPUs without AVX-512; where they cannot be installed those tests are skipped, with the reason
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test,ray]"
+	@test -f /usr/include/simde/x86/avx512.h || scripts/install_simde.sh
 	touch $@
 
 demo: setup
