@@ -21,6 +21,7 @@ from .forward import NativeDraft, NativeStep
 
 log = logging.getLogger("castspec")
 
+
 def agrees(native_out, torch_out, dtype: torch.dtype) -> bool:
     """A native forward's outputs (a tensor or a tuple of tensors and Nones) equal the torch forward's up to
     rounding, relative to the largest value: logits and hidden states have no fixed scale."""
