@@ -10,7 +10,7 @@ import torch
 from castspec.models.kvcache import Segment
 from castspec.native import build as native
 from castspec.native import forward as native_step
-from castspec.native.forward import NativeStep
+from castspec.native.forward import NativeDraft, NativeStep
 from castspec.pack import pack_tree
 from castspec.sequence import DraftState, propose_batch
 from castspec.tree import build_tree
@@ -111,25 +111,54 @@ def test_native_step_reports_overflow():
 
 @pytest.mark.usefixtures("lib")
 def test_disagreeing_native_step_turns_itself_off(monkeypatch, caplog):
-    """The first native step is compared with torch's; a wrong one is reported once and never used."""
-    calls = []
+    """The native code is compared with torch when it is built, on scratch caches; a wrong one is reported once
+    and never runs a request's forward: every call, the first included, is torch's."""
+    caches = []
+    real = NativeStep.__call__
 
-    def broken(self, ids, positions, segments, logit_rows, taps=()):
-        calls.append(segments[0].start)
-        return torch.zeros(logit_rows.numel(), self._model.vocab), None
+    def perturbed(self, ids, positions, segments, logit_rows, taps=()):
+        caches.append(segments[0].cache)
+        logits, features = real(self, ids, positions, segments, logit_rows, taps)
+        return logits + 1.0, features
 
-    monkeypatch.setattr(NativeStep, "__call__", broken)
+    monkeypatch.setattr(NativeStep, "__call__", perturbed)
     target, ref = native_target(make_hf(llama_config(), seed=3)), native_target(make_hf(llama_config(), seed=3))
     _torch_only(ref)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="castspec"):
-        c1, c2 = _prefilled(target, prompt), _prefilled(ref, prompt)
+        c1, c2 = target.new_cache(64), ref.new_cache(64)
+        got = [target(prompt, torch.arange(5).view(1, -1), c1, 0, causal=True)]
+        want = [ref(prompt, torch.arange(5).view(1, -1), c2, 0, causal=True)]
+        assert not target.backend.active and not target.backend.checked  # off before the first call returned
         for slot in (5, 6):
-            got, _ = target(torch.tensor([[9]]), torch.tensor([[slot]]), c1, slot)
-            want, _ = ref(torch.tensor([[9]]), torch.tensor([[slot]]), c2, slot)
-            torch.testing.assert_close(got, want)
-    assert calls == [0] and not target.backend.active  # the prompt's forward was the first native one
-    assert "disagrees" in caplog.text
+            got.append(target(torch.tensor([[9]]), torch.tensor([[slot]]), c1, slot))
+            want.append(ref(torch.tensor([[9]]), torch.tensor([[slot]]), c2, slot))
+    for a, b in zip(got, want):
+        assert torch.equal(a[0], b[0])
+    assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
+    assert caches and all(c is not c1 for c in caches)  # the native code ran the self-test only
+    assert caplog.text.count("disagrees") == 1
+
+
+@pytest.mark.usefixtures("lib")
+def test_disagreeing_native_drafter_turns_itself_off(monkeypatch, caplog):
+    """Likewise for the drafter: a wrong native pass found at build time leaves every pass to torch."""
+    real = NativeDraft.__call__
+    monkeypatch.setattr(NativeDraft, "__call__", lambda self, *args: real(self, *args) * 1.5)
+    target = native_target(make_hf(llama_config(vocab=64), seed=1))
+    fast, ref = random_drafter(target, block_size=6), random_drafter(target, block_size=6)
+    _torch_only(ref)
+    feats = torch.randn(1, 4, len(fast.cfg.target_layer_ids) * target.cfg.hidden_size,
+                        generator=torch.Generator().manual_seed(3))
+    caches = fast.new_cache(16), ref.new_cache(16)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="castspec"):
+        block = target.embed(torch.arange(6).view(1, -1))
+        out = [m(block, torch.arange(4, 10).view(1, -1), feats, torch.arange(4).view(1, -1), c, 0)
+               for m, c in zip((fast, ref), caches)]
+    assert not fast.backend.active and torch.equal(out[0], out[1])
+    # the whole cache: draft.c would also have left the block's keys in the slots after the context
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert "drafter pass disagrees" in caplog.text
 
 
 @pytest.mark.usefixtures("lib")
@@ -174,15 +203,16 @@ def test_native_prefill_and_tree_match_torch(name, dtype):
 def test_forwards_beyond_the_row_limit_run_on_torch(monkeypatch):
     calls = []
     real = NativeStep.__call__
-
-    def counted(self, ids, *args, **kwargs):
-        calls.append(ids.numel())
-        return real(self, ids, *args, **kwargs)
-
-    monkeypatch.setattr(NativeStep, "__call__", counted)
     target = native_target(make_hf(llama_config()))
     with torch.inference_mode():
         cache = target.new_cache(64)
+
+        def counted(self, ids, positions, segments, *args, **kwargs):
+            if segments[0].cache is cache:  # not the build-time self-test
+                calls.append(ids.numel())
+            return real(self, ids, positions, segments, *args, **kwargs)
+
+        monkeypatch.setattr(NativeStep, "__call__", counted)
         n = native_step.max_rows(target.dtype) + 1
         target(torch.arange(n).view(1, -1) % 40, torch.arange(n).view(1, -1), cache, 0, causal=True)
         target(torch.tensor([[3]]), torch.tensor([[n]]), cache, n)

@@ -3,12 +3,14 @@
 Each model (models/decoder.py, models/dflash.py) owns a NativeSwitch and calls it with its torch forward as the
 fallback; the switch runs the native forward (native/forward.py) where it applies, and the torch forward
 otherwise. Everything native-specific lives here: whether the C code takes the call (its row limits, layouts),
-the lazily built native code of the model, the first-use cross-check, and dropping the native code when the
+the lazily built native code of the model, the check it passes when built, and dropping the native code when the
 model's weights move.
 
-The first native forward of each model is also run through torch (writing the same cache slots again) and the
-two compared; a disagreement, which only a platform or shape the C code mishandles can cause, is logged and
-turns the native path off for that model.
+When the native code is built (at the first forward it would take), a few synthetic forwards (the kind's
+`selftest`: prefill, tree and decode rows, or drafter passes) run through it and through torch, each on a scratch
+cache of its own, and are compared; a disagreement, which only a platform or shape the C code mishandles can
+cause, is logged and leaves the model on torch. The check touches no request's cache and returns nothing to a
+caller, so the first call after loading computes exactly what every later call computes.
 """
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ def agrees(native_out, torch_out, dtype: torch.dtype) -> bool:
                for a, b in zip(native_out, torch_out) if b is not None)
 
 
+def passes_selftest(kind, code, model: nn.Module, torch_forward, call: tuple) -> bool:
+    """The kind's self-test forwards (built for `call`, the forward that asked for the code) through the native
+    code and through torch, each on a scratch cache of its own: every output agrees, and so do the caches after."""
+    on_native, on_torch = kind.selftest(model, *call), kind.selftest(model, *call)
+    for a, b in zip(on_native.calls, on_torch.calls):
+        if not agrees(code.run(*a), torch_forward(*b), model.dtype):
+            return False
+    return agrees(on_native.kv(), on_torch.kv(), model.dtype)
+
+
 class NativeSwitch(nn.Module):
     """Runs one model's forwards natively where the C code applies, through torch otherwise.
 
@@ -47,7 +59,7 @@ class NativeSwitch(nn.Module):
     def _reset(self) -> None:
         self._looked_up = False  # whether _code was built (or found not to apply) for the model's weights
         self._code: NativeStep | NativeDraft | None = None  # None: does not apply, or turned off
-        self._checked = False  # whether a native forward passed the comparison with the torch forward
+        self._checked = False  # whether the native code passed the build-time comparison with the torch forward
 
     @classmethod
     def for_decoder(cls) -> "NativeSwitch":
@@ -62,28 +74,29 @@ class NativeSwitch(nn.Module):
         if torch.is_grad_enabled() or not self._kind.accepts(model, *args):
             return torch_forward(*args)
         if not self._looked_up:
-            self._code, self._looked_up = self._kind.build(model), True
-        if self._code is None:
-            return torch_forward(*args)
-        out = self._code.run(*args)
-        if not self._checked:
-            ref = torch_forward(*args)
-            if not agrees(out, ref, model.dtype):
-                log.warning("castspec: the native %s disagrees with the torch forward on this model; using torch's",
-                            self._kind.what)
-                self._code = None
-                return ref
-            self._checked = True
-        return out
+            self._build(model, torch_forward, args)
+        return torch_forward(*args) if self._code is None else self._code.run(*args)
+
+    def _build(self, model: nn.Module, torch_forward, call: tuple) -> None:
+        """The model's native code, kept only if its self-test agrees with the torch forward."""
+        self._looked_up = True
+        code = self._kind.build(model)
+        if code is None:
+            return
+        if not passes_selftest(self._kind, code, model, torch_forward, call):
+            log.warning("castspec: the native %s disagrees with the torch forward on this model; using torch",
+                        self._kind.what)
+            return
+        self._code, self._checked = code, True
 
     @property
     def active(self) -> bool:
-        """Whether the native code is built and on (after a forward it took)."""
+        """Whether the native code is built, checked and on (after a forward it took)."""
         return self._code is not None
 
     @property
     def checked(self) -> bool:
-        """Whether a native forward passed the first-use comparison with the torch forward."""
+        """Whether the native code passed the comparison with the torch forward made when it was built."""
         return self._checked
 
     def use_torch(self) -> None:

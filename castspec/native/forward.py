@@ -7,18 +7,24 @@ plain C) with the model's rounding at the same places.
 
 `NativeStep` (a Decoder's) and `NativeDraft` (a DFlash drafter's) each say which calls the C code takes
 (`accepts`), are built for one model (`build`: None where they do not apply: no native library, unsupported
-shapes or layouts) and run a call returning what the model's torch forward returns (`run`). Which of the two
-forwards a model uses is decided in one place, native/dispatch.py.
+shapes or layouts) and run a call returning what the model's torch forward returns (`run`); `selftest` gives the
+synthetic forwards native/dispatch.py compares with the torch forward when it builds the native code. Which of
+the two forwards a model uses is decided there, in one place.
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from .. import env
 from . import build as native
 from .abi import LAYER_FIELDS, DraftModel, DraftSegment, Layer, Segment, StepModel
+
+# the rows of each synthetic forward of a self-test (fewer where the row limit is lower)
+SELFTEST_ROWS = 4
+
 
 class _Kept:
     """Tensors whose storage native code reads: kept alive here, their addresses handed out."""
@@ -71,6 +77,20 @@ def cache_fits(cache) -> bool:
             and cache.v.is_contiguous() and cache.k.device.type == "cpu")
 
 
+@dataclass
+class SelfTest:
+    """A few forwards of one model on synthetic inputs, writing a cache of their own (never a request's): what the
+    native code is compared with the torch forward on when it is built. Each `selftest` call makes a fresh one,
+    so the two forwards each run on their own cache."""
+
+    calls: list[tuple]  # argument tuples of the model's forward_segments, run in this order
+    cache: object  # the scratch KV cache (models/kvcache.KVCache) those calls write
+    slots: int  # the slots [0, slots) that hold keys/values afterwards (draft.c uses the ones above as scratch)
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.k[..., :self.slots, :], self.cache.v[..., :self.slots, :]
+
+
 def _matrices(layers) -> list[torch.Tensor]:
     """The fused matrices (plain tensors, not Parameters) the native code reads besides the Parameters."""
     return [t for layer in layers for t in (layer.self_attn.qkv()[0], layer.mlp.gate_up_weight)]
@@ -116,6 +136,35 @@ class NativeStep:
         if lib is None or not _usable(decoder.dtype, decoder.cfg.head_dim, tensors):
             return None
         return NativeStep(decoder, lib)
+
+    @staticmethod
+    def selftest(decoder, ids, positions, segments, logit_rows, taps) -> SelfTest:
+        """What a decoder's native code is checked on: a causal prefill chunk (logits of its last row), a packed
+        tree after it (ancestor masks, positions prefix + depth), both with taps, then a decode row seeing all of
+        that. The arguments are the call that built the code; only the class of its segments is taken from it
+        (models/kvcache.Segment: the models import this package, not the other way round)."""
+        cfg, rows = decoder.cfg, min(SELFTEST_ROWS, max_rows(decoder.dtype))
+        segment = type(segments[0])
+        cache = decoder.new_cache(2 * rows + 1)
+        tokens = (torch.arange(2 * rows + 1) * 7 + 3) % cfg.vocab_size
+        tap_layers = tuple(dict.fromkeys((cfg.num_layers - 1, 0)))
+        # a binary tree, parents first: each row sees the prefix, its ancestors and itself
+        parents = [(i - 1) // 2 for i in range(rows)]
+        mask = torch.zeros(rows, 2 * rows, dtype=torch.bool)
+        mask[:, :rows] = True
+        depth = [0] * rows
+        for i in range(rows):
+            if i:
+                mask[i] = mask[parents[i]]
+                depth[i] = depth[parents[i]] + 1
+            mask[i, rows + i] = True
+        prefill = (tokens[:rows].view(1, -1), torch.arange(rows).view(1, -1),
+                   [segment(cache, 0, rows, causal=True)], torch.tensor([rows - 1]), tap_layers)
+        tree = (tokens[rows:2 * rows].view(1, -1), (rows + torch.tensor(depth)).view(1, -1),
+                [segment(cache, rows, rows, mask.view(1, 1, rows, 2 * rows))], None, tap_layers)
+        decode = (tokens[2 * rows:].view(1, 1), torch.tensor([[rows + max(depth) + 1]]),
+                  [segment(cache, 2 * rows, 1)], None, ())
+        return SelfTest([prefill, tree, decode], cache, 2 * rows + 1)
 
     def run(self, ids, positions, segments, logit_rows, taps: tuple[int, ...]):
         """The call as `Decoder.forward_segments` returns it: (logits [1, R, V] fp32, features [1, M, taps * H] or
@@ -204,6 +253,27 @@ class NativeDraft:
         if lib is None or not _usable(drafter.dtype, drafter.cfg.head_dim, tensors):
             return None
         return NativeDraft(drafter, lib)
+
+    @staticmethod
+    def selftest(drafter, block_emb, block_pos, features, ctx_pos, segments) -> SelfTest:
+        """What a drafter's native code is checked on: a block pass after a few context rows, then another after
+        one more context row (the block sees the cached context of both). The arguments are the call that built
+        the code; only the class of its segments is taken from it (models/dflash.DraftSegment, whose module
+        imports this package)."""
+        rows = min(SELFTEST_ROWS, max_rows(drafter.dtype))
+        segment = type(segments[0])
+        context = (rows, 1)
+        cache = drafter.new_cache(sum(context) + rows)
+        g = torch.Generator().manual_seed(0)  # a generator of its own: a request's seeded draws stay untouched
+        feats = torch.randn(1, sum(context), drafter.fc.weight.shape[1], generator=g).to(drafter.dtype)
+        block = torch.randn(1, rows, drafter.cfg.hidden_size, generator=g).to(drafter.dtype)
+        calls, start = [], 0
+        for n in context:
+            end = start + n
+            calls.append((block, torch.arange(end, end + rows).view(1, -1), feats[:, start:end],
+                          torch.arange(start, end).view(1, -1), [segment(cache, start, n, rows)]))
+            start = end
+        return SelfTest(calls, cache, sum(context))
 
     def run(self, block_emb, block_pos, features, ctx_pos, segments) -> torch.Tensor:
         """The call as `DFlashDrafter.forward_segments` returns it (final-normed block rows [1, T, H]), each
