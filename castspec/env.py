@@ -3,7 +3,9 @@
 Every switch is read when asked for (tests and callers may change the environment between calls):
   CASTSPEC_CACHE        the cache directory (profiles, native builds, dequantized GGUFs); ~/.cache/castspec
   CASTSPEC_NATIVE       0: torch's kernels only; emulate: build the native code on simde, for tests on CPUs
-                        without AVX-512 (castspec/native/build.py); anything else: native code where the CPU has it
+                        without AVX-512 (castspec/native/build.py); portable: the same on simde built for this
+                        CPU's own vector instructions, single-row forwards only (an opt-in for CPUs without
+                        AVX-512); anything else: native code where the CPU has it
   CASTSPEC_NATIVE_ROWS  the most rows a whole native forward takes (0: torch only); default per dtype
   CASTSPEC_PACK         0: no oneDNN weight packing (castspec/native/linear.py)
   CASTSPEC_COMPILE      0: no inductor-compiled single-row product (castspec/native/linear.py)
@@ -19,9 +21,9 @@ def cache_dir() -> Path:
 
 
 def native_mode() -> str:
-    """'off', 'emulate' or 'on' (CASTSPEC_NATIVE)."""
+    """'off', 'emulate', 'portable' or 'on' (CASTSPEC_NATIVE)."""
     value = os.environ.get("CASTSPEC_NATIVE", "1")
-    return "off" if value == "0" else "emulate" if value == "emulate" else "on"
+    return "off" if value == "0" else value if value in ("emulate", "portable") else "on"
 
 
 def native_rows() -> int | None:

@@ -283,3 +283,35 @@ def test_native_ragged_forward_matches_torch(dtype):
         assert fast.backend.checked
         for got, want in zip(caches["fast"], caches["ref"]):
             torch.testing.assert_close(got.k, want.k, rtol=tol, atol=tol)
+
+
+def test_portable_build_runs_decode_steps_and_leaves_trees_to_torch(monkeypatch):
+    """CASTSPEC_NATIVE=portable (simde built for this CPU's own vector ISA): the library builds and passes its
+    checks, decode steps run natively and agree with torch, forwards of several rows stay on torch."""
+    if not native.emulation_available():
+        pytest.skip("no simde headers (libsimde-dev)")
+    monkeypatch.setenv("CASTSPEC_NATIVE", "portable")
+    native.library.cache_clear()
+    try:
+        if native.library() is None:
+            pytest.fail("the portable native library did not build or load; see the warning")
+        assert native_step.max_rows(torch.float32) == 1
+        cfg = CONFIGS["qwen3-untied-qk-norm"]()
+        fast, ref = native_target(make_hf(cfg, seed=3)), _torch_only(native_target(make_hf(cfg, seed=3)))
+        calls = []
+        run = NativeStep.run
+        monkeypatch.setattr(NativeStep, "run", lambda self, *a: calls.append(a[0].numel()) or run(self, *a))
+        prompt = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            c_fast, c_ref = _prefilled(fast, prompt), _prefilled(ref, prompt)
+            assert calls == []  # a prefill chunk of 6 rows: torch
+            for slot in range(6, 10):
+                tok = torch.tensor([[slot % cfg.vocab_size]])
+                pos = torch.tensor([[slot]])
+                got, _ = fast(tok, pos, c_fast, slot)
+                want, _ = ref(tok, pos, c_ref, slot)
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
+        # the build's self-test forwards count too: every native forward was a single row
+        assert fast.backend.active and len(calls) >= 4 and set(calls) == {1}
+    finally:
+        native.library.cache_clear()

@@ -16,7 +16,10 @@ CASTSPEC_NATIVE (read through castspec.env): 0 turns the native code off. `emula
 without AVX-512 flags on SIMD Everywhere (simde, header-only; Debian's libsimde-dev) with -DCASTSPEC_EMULATE
 (csrc/simd.h), skipping the CPU check: the library then runs on any CPU, much more slowly, and computes what
 the real one does. It exists so that tests exercise the C code on machines without AVX-512; it is never a
-default and never worth using for speed.
+default and never worth using for speed. `portable` builds the same as emulate, but with -O3 for this CPU's own
+vector instructions (-march=native: simde then runs each 512-bit operation as two AVX2 ones, say): an opt-in for
+CPUs without AVX-512, where single-row forwards (decode steps) beat torch's kernels; forwards of several rows are
+not tuned for it and stay on torch (native/forward.py's row limit is 1 in this mode).
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ SIMDE_INCLUDE = Path("/usr/include")  # where libsimde-dev puts simde/
 COMMON_FLAGS = ("-fopenmp", "-shared", "-fPIC")
 MODE_FLAGS = {"on": ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
               # -O2: emulated intrinsics are inlined everywhere, and -O3 makes that build much slower for tests
-              "emulate": ("-O2", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}")}
+              "emulate": ("-O2", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}"),
+              "portable": ("-O3", "-march=native", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}")}
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # The most rows castspec's products take (native/linear.py); above it oneDNN's blocked GEMM was faster where
 # this was tuned (docs/performance.md). Whole native forwards (native/forward.py) use the kernels at any count.
@@ -139,8 +143,8 @@ def library():
     mode = env.native_mode()
     if mode == "off" or (mode == "on" and not cpu_supported()):
         return None
-    if mode == "emulate" and not emulation_available():
-        log.warning("castspec: CASTSPEC_NATIVE=emulate needs simde's headers (%s/simde); using torch's kernels",
+    if mode in ("emulate", "portable") and not emulation_available():
+        log.warning("castspec: CASTSPEC_NATIVE=%s needs simde's headers (%s/simde); using torch's kernels", mode,
                     SIMDE_INCLUDE)
         return None
     compiler, version = _compiler()
@@ -175,7 +179,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in _ENTRY or not weight.is_contiguous():
         return None
     rows = x.numel() // max(x.shape[-1], 1)
-    if not 0 < rows <= MAX_ROWS[x.dtype]:
+    limit = 1 if env.native_mode() == "portable" else MAX_ROWS[x.dtype]  # see the module docstring
+    if not 0 < rows <= limit:
         return None
     lib = library()
     if lib is None:

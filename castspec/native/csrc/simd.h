@@ -130,7 +130,9 @@ static inline float cs_reduce_max_ps(__m512 a) {
 
 /* simde implements these but gives them no native alias */
 #define _mm512_shuffle_f32x4 simde_mm512_shuffle_f32x4
+#ifndef _MM_FROUND_NO_EXC /* with SSE4.1 enabled, the compiler's header defines it (and simde uses that) */
 #define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
+#endif
 
 #define _mm512_maskz_loadu_ps cs_maskz_loadu_ps
 #define _mm512_mask_storeu_ps cs_mask_storeu_ps
