@@ -52,6 +52,13 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # this was tuned (docs/performance.md). Whole native forwards (native/forward.py) use the kernels at any count.
 MAX_ROWS = {torch.bfloat16: 8, torch.float32: 4}
 _ENTRY = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
+# The portable build's multi-row code is slower than torch's (docs/performance.md): it takes single rows only.
+PORTABLE_ROWS = 1
+
+
+def row_limit(tuned: int) -> int:
+    """The most rows the native code takes, given the limit `tuned` for the AVX-512 build."""
+    return min(tuned, PORTABLE_ROWS) if env.native_mode() == "portable" else tuned
 
 
 def cpu_supported() -> bool:
@@ -179,8 +186,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in _ENTRY or not weight.is_contiguous():
         return None
     rows = x.numel() // max(x.shape[-1], 1)
-    limit = 1 if env.native_mode() == "portable" else MAX_ROWS[x.dtype]  # see the module docstring
-    if not 0 < rows <= limit:
+    if not 0 < rows <= row_limit(MAX_ROWS[x.dtype]):
         return None
     lib = library()
     if lib is None:

@@ -68,10 +68,7 @@ MAX_ROWS = {torch.bfloat16: 16, torch.float32: 12}
 
 def max_rows(dtype: torch.dtype) -> int:
     override = env.native_rows()
-    if override is not None:
-        return override
-    # the portable build's multi-row forwards are slower than torch's (docs/performance.md)
-    return min(MAX_ROWS.get(dtype, 0), 1) if env.native_mode() == "portable" else MAX_ROWS.get(dtype, 0)
+    return native.row_limit(MAX_ROWS.get(dtype, 0)) if override is None else override
 
 
 def cache_fits(cache) -> bool:
