@@ -1,7 +1,8 @@
 """Native Llama / Qwen3 decoder: explicit positions, explicit masks, a static KV cache, tapped hidden states.
 
 The model knows nothing about decoding: callers decide which slots to write, which positions each row has,
-what each row may see, and which rows need logits.
+what each row may see, and which rows need logits. Hidden states are fp32 whatever the weights' dtype (see
+models/layers.py): a bf16 model rounds only the inputs of its products.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Decoder(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
-        self.rope = RotaryTable(rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, dtype, device)
+        self.rope = RotaryTable(rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, device)
         self._head_pack = WeightPack()
         self.backend = NativeSwitch.for_decoder()  # which code runs forward_segments: native or torch
 
@@ -63,10 +64,12 @@ class Decoder(nn.Module):
         return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, cache_dtype(self.dtype, self.device), self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
+        """Embedding rows in fp32 (the activations' dtype; bf16 rows widen exactly)."""
+        return self.model.embed_tokens(ids).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head, in fp32 so argmax ties and softmax are not decided by bf16 rounding."""
+        """Final norm + lm_head over fp32 hidden states: fp32 logits, so argmax ties and softmax are not
+        decided by bf16 rounding."""
         return self.vocab_scores(self.model.norm(hidden)).float()
 
     def vocab_scores(self, normed: torch.Tensor) -> torch.Tensor:
@@ -81,7 +84,7 @@ class Decoder(nn.Module):
         mask: bool [B|1,1,T,start+T], True = may attend; None with causal=False lets every row see every slot
         (a single decode row), causal=True is the plain prefill triangle (only valid when start == 0).
         Returns (logits [B,R,V] fp32 for `logit_rows` (all rows when None; no logits when an empty slice),
-        taps [B,T,len(taps)*H] = hidden states after each tapped layer, concatenated; None without taps).
+        taps [B,T,len(taps)*H] fp32 = hidden states after each tapped layer, concatenated; None without taps).
         """
         segment = Segment(cache, start, ids.shape[1], mask, causal)
         return self.forward_segments(ids, positions, [segment], logit_rows, taps)

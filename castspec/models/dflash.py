@@ -4,6 +4,9 @@ Context: the target's hidden states after the tapped layers, concatenated and fu
 Every layer turns the fused context into keys/values (with its own k/v projections) and lets the block
 [root, MASK x (L)] attend to context + block without a causal mask. Rows 1..L, after the final norm and the
 target's lm_head, are q_1..q_L. The checkpoint has no embedding and no lm_head: the target's are used.
+As in the target (models/layers.py), the block rows, context rows and hidden states keep the dtype they come in
+(fp32 from the target's embeddings and taps) whatever the drafter's weights' dtype; only product inputs are
+rounded to it.
 """
 from __future__ import annotations
 
@@ -72,7 +75,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
         self.layers = nn.ModuleList(DrafterLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
-        self.rope = RotaryTable(cfg.rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, dtype, device)
+        self.rope = RotaryTable(cfg.rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, device)
         self._fc_pack = WeightPack()
         # the draft vocabulary (models/draft_vocab.py): None scores every target token
         self.draft_vocab: torch.Tensor | None = None
@@ -88,7 +91,6 @@ class DFlashDrafter(nn.Module):
         """log q_j over the full vocabulary [..., V] (fp32) for final-normed block rows [..., H], through the
         target's lm_head; with a draft vocabulary only its rows of the head are read and every other token
         gets -inf (probability 0)."""
-        rows = rows.to(target.dtype)
         if self.draft_vocab is None:
             return torch.log_softmax(target.vocab_scores(rows).float(), dim=-1)
         head = target.head_weight
@@ -116,7 +118,7 @@ class DFlashDrafter(nn.Module):
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """Tapped target features [B,C,K*H] -> context rows [B,C,H]."""
-        return self.hidden_norm(linear(features.to(self.dtype), self.fc.weight, None, self._fc_pack))
+        return self.hidden_norm(linear(features, self.fc.weight, None, self._fc_pack))
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
                 ctx_pos: torch.Tensor, cache: KVCache | None = None, start: int = 0,
@@ -139,7 +141,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.fuse_context(features)
         ctx_rope = self.rope(ctx_pos)
         block_rope = self.rope(block_pos)
-        x = block_emb.to(self.dtype)
+        x = block_emb
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, ctx_rope, block_rope, segments, i)
         for seg in segments:

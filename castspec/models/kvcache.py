@@ -12,7 +12,8 @@ import torch
 
 
 def cache_dtype(model_dtype: torch.dtype, device) -> torch.dtype:
-    """fp32 on CPU (see QKVProjection.attend), the model's dtype elsewhere."""
+    """fp32 on CPU, where the keys and values are written exactly as computed (fp32 activations) and attention
+    runs in fp32 (QKVProjection.sdpa); the model's dtype elsewhere (k/v rounded as they are written)."""
     return torch.float32 if torch.device(device).type == "cpu" else model_dtype
 
 

@@ -1,4 +1,10 @@
-"""Building blocks shared by the target decoder and the drafter (HF parameter names throughout)."""
+"""Building blocks shared by the target decoder and the drafter (HF parameter names throughout).
+
+Activations are fp32 whatever the weights' dtype (issue 16: a bf16 model means bf16 weights, not bf16
+arithmetic, as in llama.cpp): the residual stream, norms, RoPE, attention and softmax run in fp32, and only
+the input of a product with a bf16 weight is rounded to bf16, inside `linear`. The models put their embeddings
+into fp32 once; everything here keeps the dtype it is given.
+"""
 from __future__ import annotations
 
 import torch
@@ -14,7 +20,8 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight, as the HF Llama/Qwen3 norms do."""
+    """RMSNorm computed in fp32 and cast back to x's dtype before the weight, as the HF Llama/Qwen3 norms do;
+    fp32 x times a bf16 weight gives fp32 (the weight is widened exactly), so fp32 activations stay fp32."""
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
         super().__init__()
@@ -164,8 +171,9 @@ class QKVProjection(nn.Module):
 
     def sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
         """q [B,h,T,d] over k/v [B,kv,S,d]; mask is a bool [B|1,1,T,S] (True = visible) or None."""
-        # q follows the cache's dtype: CPU caches are fp32 because torch's bf16 CPU attention kernels are an
-        # order of magnitude slower than its fp32 ones at decode shapes.
+        # q follows the cache's dtype. CPU caches are fp32 (activations are, and torch's bf16 CPU attention
+        # kernels are an order of magnitude slower than its fp32 ones at decode shapes), so attention is fp32;
+        # CUDA caches hold the model's dtype and q is rounded to it (CUDA's weaker guarantee).
         grouped = self.heads != self.kv_heads
         if not q.is_cuda:
             return self._attention(q, k, v, mask, causal, grouped)
@@ -186,7 +194,7 @@ class QKVProjection(nn.Module):
         """Attention output [B,h,T,d] -> o_proj over [B,T,h*d]."""
         B, _, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
-        return linear(out.to(self.o_proj.weight.dtype), self.o_proj.weight, self.o_proj.bias, self._o_pack)
+        return linear(out, self.o_proj.weight, self.o_proj.bias, self._o_pack)
 
     def attend_segments(self, q, k, v, segments, layer: int) -> torch.Tensor:
         """Ragged attention: consecutive row ranges of q/k/v [B,*,T,d] belong to different caches.
@@ -210,7 +218,7 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., d]; cos/sin broadcastable to it, in x's dtype, sin with rotate-half's sign folded in
+    """x [..., d]; cos/sin broadcastable to it (fp32 tables), sin with rotate-half's sign folded in
     (RotaryTable): rotate_half(x) * sin == roll(x, d/2) * signed sin, one op instead of three."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
@@ -220,11 +228,12 @@ class RotaryTable(nn.Module):
     RoPE init functions.
 
     Precomputing the table turns RoPE into one gather per forward; positions are explicit (tree nodes sit at
-    prefix length + depth, not at their slot in the pack).
+    prefix length + depth, not at their slot in the pack). The tables are fp32 whatever the model's dtype, also
+    after converting the model (`_apply`): RoPE runs on the fp32 activations, and bf16 tables would round every
+    rotation angle's cosine and sine.
     """
 
-    def __init__(self, rope_parameters: dict, head_dim: int, max_positions: int, hf_config=None,
-                 dtype=None, device=None):
+    def __init__(self, rope_parameters: dict, head_dim: int, max_positions: int, hf_config=None, device=None):
         super().__init__()
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -240,10 +249,21 @@ class RotaryTable(nn.Module):
         pos = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(pos, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", (emb.cos() * scale).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("cos", (emb.cos() * scale).to(device=device), persistent=False)
         sin = emb.sin() * scale
         sin[:, :head_dim // 2] *= -1  # rotate_half's sign (apply_rope)
-        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", sin.to(device=device), persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        """Conversions move the tables to the new device but keep them fp32 (from the fp32 tables themselves,
+        not from a rounded copy)."""
+        tables = {name: getattr(self, name) for name in ("cos", "sin")}
+        out = super()._apply(fn, *args, **kwargs)
+        for name, table in tables.items():
+            moved = getattr(self, name)
+            if moved.dtype != table.dtype:
+                setattr(self, name, table.to(moved.device))
+        return out
 
     def forward(self, positions: torch.Tensor):
         """cos and signed sin [B,T,d] for positions [B,T]."""

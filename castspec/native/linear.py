@@ -8,6 +8,10 @@ below the machine's read rate at these shapes; the same oneDNN kernel on a weigh
 results (docs/performance.md). Packs are remade when a weight changes in place (its version counter moves).
 Where oneDNN is missing, single rows use an inductor-compiled reduction and the rest plain F.linear.
 CASTSPEC_PACK=0 / CASTSPEC_COMPILE=0 (castspec.env) turn the two paths off.
+
+Dtypes (issue 16): a bf16 model has bf16 weights, not bf16 arithmetic. Activations stay in fp32 and only the
+input of a product is rounded to the weight's dtype as it enters it (as llama.cpp does); `linear` returns the
+product in the activations' dtype.
 """
 from __future__ import annotations
 
@@ -24,13 +28,13 @@ log = logging.getLogger("castspec")
 
 
 def _rowdot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (w.float() * x.float()).sum(-1).to(x.dtype)
+    return (w.float() * x.float()).sum(-1)  # fp32 sums, returned unrounded
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_rowdot():
-    """The single-row product x [1, I] . w [O, I]^T (fp32 sums) compiled by inductor, or None where that is off
-    or unavailable."""
+    """The single-row product x [1, I] . w [O, I]^T compiled by inductor (fp32 sums, returned in fp32 whatever
+    the inputs' dtype), or None where that is off or unavailable."""
     if not env.compile_enabled():
         return None
     try:
@@ -93,6 +97,24 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            pack: WeightPack | None = None) -> torch.Tensor:
+    """x [..., I] @ weight [O, I]^T (+ bias), returned in x's dtype.
+
+    x may be in any float dtype: it is rounded to weight's dtype as it enters the product (fp32 activations
+    times bf16 weights: bf16 inputs), and a bias is then added in x's dtype. The compiled single-row reduction
+    returns its fp32 sums unrounded; the row kernel (native/build.py), oneDNN's packed path and F.linear return
+    bf16 for bf16 inputs, converted to x's dtype after. So this torch fallback rounds a bf16 product's output
+    where the native forwards (native/forward.py), which keep the fp32 sums, do not."""
+    if x.dtype == weight.dtype:
+        out = _product(x, weight, bias, pack)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+    out = _product(x.to(weight.dtype), weight, None, pack).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             pack: WeightPack | None) -> torch.Tensor:
+    """x @ weight^T (+ bias) for x in weight's dtype: in that dtype, or fp32 sums (the compiled reduction,
+    without a bias)."""
     if torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     out = skinny_linear(x, weight)  # a few rows on AVX-512 CPUs (native/build.py)
@@ -106,5 +128,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if fn is not None:
             # plain tensors (not Parameters) so one compiled graph per dtype serves every weight
             out = fn(x.reshape(1, -1).detach(), weight.detach()).view(*x.shape[:-1], weight.shape[0])
-            return out if bias is None else out + bias
+            return out if bias is None else out.to(x.dtype) + bias
     return F.linear(x, weight, bias)
