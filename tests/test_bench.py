@@ -5,6 +5,7 @@ import sys
 import numpy as np
 import pytest
 
+from castspec.bench import agreement
 from castspec.bench import engine as engine_bench
 from castspec.bench.harness import MethodSpec, builtin_prompts
 from castspec.bench.stats import paired_bootstrap
@@ -108,3 +109,25 @@ def test_engine_benchmark_end_to_end(tmp_path):
     # the per-matrix best of the kernels can only be at or below each kernel's own total
     assert 0 < gemv["best"] <= min(v for k, v in gemv.items() if k != "best")
     assert 0 < entry["host_share_cast63"]["host_share"] < 1
+
+
+def test_agreement_end_to_end(bench_dirs, tmp_path, capsys):
+    """`python -m castspec.bench.agreement`: a dtype agrees with itself on every prompt; another dtype's report
+    has a first difference inside each continuation or none."""
+    assert agreement.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert agreement.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert agreement.first_difference([1, 2], [1, 2, 3]) == 2  # one stopped early
+    common = ["--target", str(bench_dirs / "target"), "--prompts", str(bench_dirs / "prompts.jsonl"),
+              "--max-new-tokens", "12"]
+    for dtypes in ("fp32,fp32", "fp32,bf16"):
+        out = tmp_path / f"{dtypes}.json"
+        assert agreement.main([*common, "--dtypes", dtypes, "--out", str(out)]) == 0
+        report = json.loads(out.read_text())
+        rows = report["per_prompt"]
+        assert [r["domain"] for r in rows] == ["a", "b"] and report["prompts"] == 2
+        assert report["dtype"] == dtypes.split(",")[1] and report["native_mode"] in ("off", "on", "emulate", "portable")
+        assert report["identical"] == sum(r["first_difference"] is None for r in rows)
+        assert all(r["first_difference"] is None or 0 <= r["first_difference"] <= 12 for r in rows)
+        if dtypes == "fp32,fp32":
+            assert report["identical"] == 2
+    assert "continuations identical" in capsys.readouterr().out

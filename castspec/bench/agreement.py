@@ -1,0 +1,78 @@
+"""Greedy agreement of one dtype with another (issue 16 part 6): how far a bf16 continuation follows fp32's.
+
+    python -m castspec.bench.agreement --n 4 --max-new-tokens 96 --out runs/agreement.json
+        [--target HF_DIR|GGUF] [--prompts FILE.jsonl] [--dtypes fp32,bf16] [--device cpu]
+
+Runs greedy `ar` on the first n prompts of each domain (code, math, chat: what `castspec bench` runs, or a
+prompts file in its format) with the target loaded in each of the two dtypes, and writes per prompt the first
+position where the second dtype's continuation differs from the first's (null when identical), the count of
+identical continuations, the dtypes, the native mode (CASTSPEC_NATIVE) and the git commit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+from .. import env
+from ..engine import load
+from .harness import NO_THINKING, builtin_prompts, file_prompts
+
+DOMAINS = ["code", "math", "chat"]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two continuations differ (one ending early counts), None when identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def continuations(target, dtype: str, device: str, prompts, max_new: int) -> list[list[int]]:
+    engine = load(target=target, drafter=None, device=device, dtype=dtype)
+    return [engine.generate(messages=p.messages, input_ids=p.input_ids, method="ar", max_new_tokens=max_new,
+                            chat_template_kwargs=NO_THINKING).token_ids for p in prompts]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n", type=int, default=4, help="prompts per domain")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--target", default=None, help="HF directory or GGUF (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--prompts", default=None, help="JSONL prompts file (castspec bench's format)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="reference,candidate")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    reference, candidate = args.dtypes.split(",")
+    prompts = file_prompts(Path(args.prompts), args.n) if args.prompts else builtin_prompts(DOMAINS, args.n)
+    ref = continuations(args.target, reference, args.device, prompts, args.max_new_tokens)
+    got = continuations(args.target, candidate, args.device, prompts, args.max_new_tokens)
+    rows = [{"domain": p.domain, "id": p.id, "tokens": len(b), "first_difference": first_difference(a, b)}
+            for p, a, b in zip(prompts, ref, got)]
+    identical = sum(r["first_difference"] is None for r in rows)
+    report = {"reference": reference, "dtype": candidate, "native_mode": env.native_mode(), "commit": git_commit(),
+              "target": args.target, "max_new_tokens": args.max_new_tokens, "identical": identical,
+              "prompts": len(rows), "per_prompt": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    firsts = [r["first_difference"] for r in rows if r["first_difference"] is not None]
+    print(f"{candidate} vs {reference}: {identical}/{len(rows)} continuations identical "
+          f"(native {report['native_mode']}); first differences at {sorted(firsts) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
