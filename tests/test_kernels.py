@@ -77,6 +77,27 @@ def test_native_kernels_match_torch(lib, dtype, inner):
     assert native.skinny_linear(torch.randn(native.MAX_ROWS[dtype] + 1, inner).to(dtype), w) is None
 
 
+@pytest.mark.parametrize("inner", [24, 83, 576])
+def test_bf16_kernel_with_fp32_outputs(lib, inner):
+    """skinny_bf16_f32, the whole native forwards' products: the fp32 sums that skinny_bf16 rounds to bf16, kept
+    unrounded (bf16 products are exact in fp32: only the summation order differs from torch's), and a row's
+    sums the same whatever the row count."""
+    g = torch.Generator().manual_seed(inner)
+    w = torch.randn(37, inner, generator=g).to(torch.bfloat16)
+    x = torch.randn(19, inner, generator=g).to(torch.bfloat16)
+
+    def product(rows):
+        out = torch.empty(rows.shape[0], w.shape[0])
+        lib.skinny_bf16_f32(w.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], w.shape[0], inner, inner,
+                            w.shape[0])
+        return out
+
+    out = product(x)
+    torch.testing.assert_close(out, x.double() @ w.double().T, rtol=1e-5, atol=1e-4, check_dtype=False)
+    assert torch.equal(out.to(torch.bfloat16), native._call(lib, x, w))  # skinny_bf16
+    assert torch.equal(product(x[5:6].contiguous())[0], out[5])
+
+
 def test_native_kernels_fall_back_cleanly(monkeypatch, tmp_path, caplog):
     mode = native_mode()  # where a native library could run here, real or emulated
     native.library.cache_clear()

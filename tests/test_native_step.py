@@ -186,7 +186,7 @@ def test_native_prefill_and_tree_match_torch(name, dtype):
         same(out[0][0], out[1][0])
         same(out[0][1], out[1][1])
         start = 11
-        for width in (1, 5, native_step.max_rows(dtype) - 1):
+        for width in (1, 5, 20):  # 20: beyond the drafter's row limit, which the target's forward does not have
             lp = torch.log_softmax(torch.randn(4, cfg.vocab_size, generator=g) * 3, dim=-1)
             pack = pack_tree(build_tree(lp, width, 4), 7, start, "cpu")
             out = [m(pack.ids, pack.positions, c, start, mask=pack.mask, taps=(0, 3))
@@ -199,24 +199,180 @@ def test_native_prefill_and_tree_match_torch(name, dtype):
         same(caches[0].v[:, :, :, :start], caches[1].v[:, :, :, :start])
 
 
-@pytest.mark.usefixtures("lib")
-def test_forwards_beyond_the_row_limit_run_on_torch(monkeypatch):
+def _counting_native_calls(monkeypatch, *caches) -> list[int]:
+    """The row counts of the native calls (NativeStep.__call__) writing any of `caches` from now on (not the
+    self-test's)."""
     calls = []
     real = NativeStep.__call__
+
+    def counted(self, ids, positions, segments, *args, **kwargs):
+        if any(seg.cache is cache for seg in segments for cache in caches):
+            calls.append(ids.numel())
+        return real(self, ids, positions, segments, *args, **kwargs)
+
+    monkeypatch.setattr(NativeStep, "__call__", counted)
+    return calls
+
+
+@pytest.mark.usefixtures("lib")
+def test_target_forwards_of_any_size_run_natively_in_chunks(monkeypatch):
+    """The target's native forward takes any number of rows (a torch fallback would not be bit-exact), in calls
+    of at most CHUNK rows; CASTSPEC_NATIVE_ROWS still sets a limit, beyond which forwards run on torch."""
     target = native_target(make_hf(llama_config()))
+    n = native_step.CHUNK + 6
     with torch.inference_mode():
-        cache = target.new_cache(64)
-
-        def counted(self, ids, positions, segments, *args, **kwargs):
-            if segments[0].cache is cache:  # not the build-time self-test
-                calls.append(ids.numel())
-            return real(self, ids, positions, segments, *args, **kwargs)
-
-        monkeypatch.setattr(NativeStep, "__call__", counted)
-        n = native_step.max_rows(target.dtype) + 1
+        cache = target.new_cache(n + 1)
+        calls = _counting_native_calls(monkeypatch, cache)
         target(torch.arange(n).view(1, -1) % 40, torch.arange(n).view(1, -1), cache, 0, causal=True)
         target(torch.tensor([[3]]), torch.tensor([[n]]), cache, n)
+        assert calls == [native_step.CHUNK, 6, 1]
+        calls.clear()
+        monkeypatch.setenv("CASTSPEC_NATIVE_ROWS", "4")
+        target(torch.arange(5).view(1, -1), torch.arange(5).view(1, -1), cache, 0, causal=True)
+        target(torch.tensor([[3]]), torch.tensor([[5]]), cache, 5)
     assert calls == [1]
+
+
+# -- bit-exactness (issue 16): a row's bits depend on its token, position and the keys it sees, nothing else --
+
+def _copy(target, base, n: int):
+    """A fresh cache holding the first n slots of `base` (a request forked after its prompt)."""
+    cache = target.new_cache(base.capacity)
+    cache.copy_prefix(base, n)
+    return cache
+
+
+def _prompt_chunk(a: int, b: int):
+    """Slots [a, b) of a prompt as serving prefills them (sequence.prefill_segment): the first chunk causal,
+    later ones with a mask over the cached prompt and themselves causally."""
+    if a == 0:
+        return dict(causal=True)
+    vis = torch.ones(b - a, b, dtype=torch.bool)
+    vis[:, a:] = torch.tril(vis[:, a:])
+    return dict(mask=vis.view(1, 1, b - a, b))
+
+
+EXACT = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+
+
+@pytest.mark.usefixtures("lib")
+@EXACT
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_rows_bits_do_not_depend_on_the_other_rows(name, dtype, monkeypatch):
+    """Row invariance: a decode row's logits, taps and keys/values are bit-identical alone and inside ragged
+    forwards of 2 to 70 other rows (beyond the drafter's row limit, and beyond CHUNK: then several calls)."""
+    cfg = CONFIGS[name]()
+    target = native_target(make_hf(cfg, seed=4), dtype)
+    g = torch.Generator().manual_seed(4)
+    P, taps = 19, (1, 3)
+    tok, pos = torch.tensor([[7]]), torch.tensor([[P]])
+    with torch.inference_mode():
+        base = _prefilled(target, torch.randint(0, cfg.vocab_size, (1, P), generator=g))
+        alone = _copy(target, base, P)
+        want_logits, want_feats = target(tok, pos, alone, P, taps=taps)
+        for before, after in ((1, 1), (3, 4), (9, 11), (native_step.CHUNK + 2, 4)):
+            cache = _copy(target, base, P)
+            calls = _counting_native_calls(monkeypatch, cache)
+            segments = [Segment(target.new_cache(before), 0, before, causal=True), Segment(cache, P, 1),
+                        Segment(target.new_cache(after), 0, after, causal=True)]
+            ids = torch.cat([torch.randint(0, cfg.vocab_size, (1, before), generator=g), tok,
+                             torch.randint(0, cfg.vocab_size, (1, after), generator=g)], dim=1)
+            positions = torch.cat([torch.arange(before).view(1, -1), pos, torch.arange(after).view(1, -1)], dim=1)
+            logits, feats = target.forward_segments(ids, positions, segments, taps=taps)
+            assert calls, "the forward ran on torch"
+            assert torch.equal(logits[0, before], want_logits[0, 0]) and torch.equal(feats[0, before], want_feats[0, 0])
+            assert torch.equal(cache.k, alone.k) and torch.equal(cache.v, alone.v)
+
+
+@pytest.mark.usefixtures("lib")
+@EXACT
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tree_rows_give_the_bits_of_ar_steps(name, dtype):
+    """Attention in position order: every row of a packed tree (the prefix, then its ancestors at slots further
+    on) gives the logits, taps and keys/values of the `ar` decode steps along its path (the same keys at slots
+    0..pos), bit for bit."""
+    cfg = CONFIGS[name]()
+    target = native_target(make_hf(cfg, seed=6), dtype)
+    g = torch.Generator().manual_seed(6)
+    P, taps = 21, (0, 2)  # a prefix over more than one group of sixteen keys, the tree's rows across the next
+    lp = torch.log_softmax(torch.randn(4, cfg.vocab_size, generator=g) * 3, dim=-1)
+    pack = pack_tree(build_tree(lp, 12, 4), 5, P, "cpu")
+    ancestors = pack.mask[0, 0, :, P:]  # [rows, rows]: row r sees its ancestors and itself
+    with torch.inference_mode():
+        base = _prefilled(target, torch.randint(0, cfg.vocab_size, (1, P), generator=g))
+        tree = _copy(target, base, P)
+        logits, feats = target(pack.ids, pack.positions, tree, P, mask=pack.mask, taps=taps)
+        leaves = [r for r in range(pack.ids.shape[1]) if ancestors[:, r].sum() == 1]
+        for leaf in leaves:  # every row lies on some leaf's path
+            ar = _copy(target, base, P)
+            for depth, row in enumerate(ancestors[leaf].nonzero().view(-1).tolist()):
+                slot = P + depth
+                step_logits, step_feats = target(pack.ids[:, row:row + 1], torch.tensor([[slot]]), ar, slot,
+                                                 taps=taps)
+                assert torch.equal(step_logits[0, 0], logits[0, row]) and torch.equal(step_feats[0, 0], feats[0, row])
+                assert torch.equal(ar.k[..., slot, :], tree.k[..., P + row, :])
+                assert torch.equal(ar.v[..., slot, :], tree.v[..., P + row, :])
+
+
+@pytest.mark.usefixtures("lib")
+@EXACT
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_chunking_does_not_change_the_cache(name, dtype):
+    """A 40-token prompt prefilled in one call, or in chunks of 1, 7 or 16 rows (masked as serving prefills
+    them): bit-identical keys/values and logits of the last row."""
+    cfg = CONFIGS[name]()
+    target = native_target(make_hf(cfg, seed=8), dtype)
+    n = 40
+    prompt = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(8))
+    positions = torch.arange(n).view(1, -1)
+    with torch.inference_mode():
+        whole = target.new_cache(n)
+        want, _ = target(prompt, positions, whole, 0, causal=True, logit_rows=torch.tensor([n - 1]))
+        for size in (1, 7, 16):
+            cache = target.new_cache(n)
+            for a in range(0, n, size):
+                b = min(n, a + size)
+                got, _ = target(prompt[:, a:b], positions[:, a:b], cache, a, logit_rows=torch.tensor([b - a - 1]),
+                                **_prompt_chunk(a, b))
+            assert torch.equal(got, want), size
+            assert torch.equal(cache.k, whole.k) and torch.equal(cache.v, whole.v), size
+
+
+@pytest.mark.usefixtures("lib")
+def test_chunked_native_calls_equal_one_call(monkeypatch):
+    """NativeStep.run cuts a long forward into calls of at most CHUNK rows, segments at the cuts (a decode row,
+    a tree and a prompt chunk here, cut every 5 rows): the same bits as one call. A segment whose rows see later
+    rows' slots cannot be cut, and runs in one call."""
+    cfg = CONFIGS["qwen3-untied-qk-norm"]()
+    target = native_target(make_hf(cfg, seed=9), torch.bfloat16)
+    g = torch.Generator().manual_seed(9)
+    P = 6
+    lp = torch.log_softmax(torch.randn(3, cfg.vocab_size, generator=g) * 3, dim=-1)
+    pack = pack_tree(build_tree(lp, 12, 3), 5, P, "cpu")
+    ids = torch.cat([torch.tensor([[4]]), pack.ids, torch.arange(9).view(1, -1) + 10], dim=1)
+    positions = torch.cat([torch.tensor([[P]]), pack.positions, torch.arange(9).view(1, -1)], dim=1)
+    with torch.inference_mode():
+        base = _prefilled(target, torch.randint(0, cfg.vocab_size, (1, P), generator=g))
+
+        def forward(ids, positions, extra=()):
+            caches = _copy(target, base, P), _copy(target, base, P), target.new_cache(16)
+            calls = _counting_native_calls(monkeypatch, *caches)
+            segments = [Segment(caches[0], P, 1), Segment(caches[1], P, pack.ids.shape[1], pack.mask),
+                        Segment(caches[2], 0, 9, causal=True), *extra]
+            return target.forward_segments(ids, positions, segments, taps=(1,)), caches, calls
+
+        want, want_caches, one = forward(ids, positions)
+        monkeypatch.setattr(native_step, "CHUNK", 5)
+        got, got_caches, calls = forward(ids, positions)
+        assert one == [ids.shape[1]] and calls == [5, 5, 5, 5, 3]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        for a, b in zip(got_caches, want_caches):
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        # three rows that all see each other (no decoding pattern, but a valid forward): one call
+        everything = Segment(target.new_cache(3), 0, 3, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+        _, _, calls = forward(torch.cat([ids, ids[:, :3]], dim=1), torch.cat([positions, positions[:, :3]], dim=1),
+                              (everything,))
+        assert len(calls) == 1
 
 
 @pytest.mark.usefixtures("lib")

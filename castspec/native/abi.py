@@ -44,6 +44,7 @@ SHARED = {cls.__name__: cls for cls in (Layer, StepModel, Segment, DraftModel, D
 _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {  # name: (argument types, result type)
     "skinny_bf16": ([_P] * 3 + [_I] * 5, None),
+    "skinny_bf16_f32": ([_P] * 3 + [_I] * 5, None),
     "skinny_f32": ([_P] * 3 + [_I] * 5, None),
     "forward_rows": ([_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P], _I),
     "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P], _I),

@@ -19,7 +19,8 @@ the real one does. It exists so that tests exercise the C code on machines witho
 default and never worth using for speed. `portable` builds the same as emulate, but with -O3 for this CPU's own
 vector instructions (-march=native: simde then runs each 512-bit operation as two AVX2 ones, say): an opt-in for
 CPUs without AVX-512, where single-row forwards (decode steps) beat torch's kernels; forwards of several rows are
-not tuned for it and stay on torch (native/forward.py's row limit is 1 in this mode).
+not tuned for it and stay on torch (row_limit is 1 in this mode), which costs the bit-exactness across row counts
+that the other modes give (native/forward.py's whole forwards take any number of rows there).
 """
 from __future__ import annotations
 
@@ -48,17 +49,20 @@ MODE_FLAGS = {"on": ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf
               "emulate": ("-O2", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}"),
               "portable": ("-O3", "-march=native", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}")}
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-# The most rows castspec's products take (native/linear.py); above it oneDNN's blocked GEMM was faster where
-# this was tuned (docs/performance.md). Whole native forwards (native/forward.py) use the kernels at any count.
+# The most rows castspec's products take for the torch forward (native/linear.py); above it oneDNN's blocked
+# GEMM was faster where this was tuned (docs/performance.md). Whole native forwards (native/forward.py) use the
+# kernels at any count.
 MAX_ROWS = {torch.bfloat16: 8, torch.float32: 4}
 _ENTRY = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 # The portable build's multi-row code is slower than torch's (docs/performance.md): it takes single rows only.
 PORTABLE_ROWS = 1
 
 
-def row_limit(tuned: int) -> int:
-    """The most rows the native code takes, given the limit `tuned` for the AVX-512 build."""
-    return min(tuned, PORTABLE_ROWS) if env.native_mode() == "portable" else tuned
+def row_limit(tuned: int | None) -> int | None:
+    """The most rows the native code takes, given the limit `tuned` for the AVX-512 build (None: any number)."""
+    if env.native_mode() != "portable":
+        return tuned
+    return PORTABLE_ROWS if tuned is None else min(tuned, PORTABLE_ROWS)
 
 
 def cpu_supported() -> bool:

@@ -1,9 +1,14 @@
-"""Forwards of a few rows (decode steps, packed trees; csrc/step.c) and the drafter's block pass (csrc/draft.c)
-in one native call each, on AVX-512 CPUs.
+"""Target forwards (decode steps, packed trees, prefill chunks; csrc/step.c) and the drafter's block pass
+(csrc/draft.c) in one native call each, on AVX-512 CPUs.
 
 Why: such a forward streams every weight once, but eager torch adds ~50 small ops per layer whose dispatch can
 cost more than the weight reads. step.c runs the same layers (products on castspec's own kernels, the rest in
-plain C) with the model's rounding at the same places.
+plain C), with fp32 activations and bf16 products' inputs rounded as they enter them, as the torch forward.
+
+Exactness (issue 16): every row of a native target forward computes the same bits whatever else is in the
+forward (csrc/layer.h), so a tree row gives the bits of the decode step at its position and a prompt the same
+cache whatever its chunking. A forward that fell back to torch would not, so the target's native forward takes
+any number of rows (`max_rows`), cut into calls of at most CHUNK rows to bound its scratch.
 
 `NativeStep` (a Decoder's) and `NativeDraft` (a DFlash drafter's) each say which calls the C code takes
 (`accepts`), are built for one model (`build`: None where they do not apply: no native library, unsupported
@@ -14,6 +19,7 @@ the two forwards a model uses is decided there, in one place.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -54,21 +60,49 @@ def _layer_array(layers, keep: _Kept):
     return out
 
 
-def _usable(dtype: torch.dtype, head_dim: int, tensors) -> bool:
+def _usable(dtype: torch.dtype, head_dim: int, tensors, rope) -> bool:
     """What step.c and draft.c need: CPU, fp32 or bf16, head_dim a multiple of 16 up to 512, contiguous
-    weights all in the model's dtype."""
+    weights all in the model's dtype, the RoPE tables (`rope`, a RotaryTable) on the CPU."""
     return (dtype in (torch.float32, torch.bfloat16) and not head_dim % 16 and head_dim <= 512
-            and all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype for t in tensors))
+            and all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype for t in tensors)
+            and rope.cos.device.type == rope.sin.device.type == "cpu")
 
 
-# Above this many rows oneDNN's blocked products (and the torch forward around them) were faster where this was
-# tuned (docs/performance.md). CASTSPEC_NATIVE_ROWS sets another limit (0: torch only).
-MAX_ROWS = {torch.bfloat16: 16, torch.float32: 12}
+def _tables(rope, keep: _Kept) -> tuple[int, int]:
+    """The addresses of a RotaryTable's cos and sin as the fp32 tables layer.h reads whatever the model's dtype
+    (a converted copy, kept alive, where the tables are not fp32 already)."""
+    return tuple(keep(t.float().contiguous()) for t in (rope.cos, rope.sin))
 
 
-def max_rows(dtype: torch.dtype) -> int:
+# The drafter's block pass: above this many rows oneDNN's blocked products (and the torch forward around them)
+# were faster where this was tuned (docs/performance.md). Its bits do not decide which tokens are committed, so
+# it may leave larger passes to torch; the target's forward may not (max_rows).
+DRAFT_MAX_ROWS = {torch.bfloat16: 16, torch.float32: 12}
+# The most rows one native target call takes: a longer forward (a prompt chunk, a large serving batch) runs as
+# consecutive calls of at most this many rows, since attention's scratch grows with rows times the cache length.
+CHUNK = 64
+
+
+def max_rows(dtype: torch.dtype) -> int | None:
+    """The most rows a native target forward takes, the same for every dtype (None: any number; the portable
+    build takes single rows). CASTSPEC_NATIVE_ROWS sets another limit (0: torch only), at the price of
+    bit-exactness across row counts."""
     override = env.native_rows()
-    return native.row_limit(MAX_ROWS.get(dtype, 0)) if override is None else override
+    return native.row_limit(None) if override is None else override
+
+
+def draft_max_rows(dtype: torch.dtype) -> int:
+    """The most block rows a native drafter pass takes (CASTSPEC_NATIVE_ROWS overrides it too)."""
+    override = env.native_rows()
+    return native.row_limit(DRAFT_MAX_ROWS.get(dtype, 0)) if override is None else override
+
+
+def _within(n: int, limit: int | None) -> bool:
+    return 0 < n and (limit is None or n <= limit)
+
+
+def _selftest_rows(limit: int | None) -> int:
+    return SELFTEST_ROWS if limit is None else min(SELFTEST_ROWS, limit)
 
 
 def cache_fits(cache) -> bool:
@@ -96,6 +130,43 @@ def _matrices(layers) -> list[torch.Tensor]:
     return [t for layer in layers for t in (layer.self_attn.qkv()[0], layer.mlp.gate_up_weight)]
 
 
+def _sees_no_later_row(seg) -> bool:
+    """Whether no row of a kvcache.Segment sees the slot of a later row of it (true of the causal triangle, of a
+    single row and of tree masks, whose rows see ancestors only): then its rows can run in consecutive calls,
+    each finding every key it sees already written."""
+    if seg.mask is None:
+        return True
+    own = seg.mask.reshape(seg.length, seg.start + seg.length)[:, seg.start:]  # [rows, rows]: rows' own slots
+    return not own.triu(1).any().item()
+
+
+def _piece(seg, i: int, j: int):
+    """Rows [i, j) of a kvcache.Segment as a segment of their own: their slots, the mask columns up to the last
+    of them, or the causal triangle's rows (mask None, which step.c reads as row r seeing slots [0, start + r]
+    at any start; pieces go to step.c only, never to the torch forward)."""
+    if (i, j) == (0, seg.length):
+        return seg
+    mask = None if seg.mask is None else seg.mask[..., i:j, :seg.start + j]
+    return dataclasses.replace(seg, start=seg.start + i, length=j - i, mask=mask)
+
+
+def _chunks(segments, size: int):
+    """The rows of a forward over `segments` in consecutive ranges [a, b) of at most `size` rows, each with the
+    pieces of segments in it (`_piece`); valid where every segment `_sees_no_later_row`."""
+    a, pieces, taken = 0, [], 0  # taken: rows in the current chunk
+    for seg in segments:
+        i = 0
+        while i < seg.length:
+            j = min(seg.length, i + size - taken)
+            pieces.append(_piece(seg, i, j))
+            taken, i = taken + j - i, j
+            if taken == size:
+                yield a, a + taken, pieces
+                a, pieces, taken = a + taken, [], 0
+    if pieces:
+        yield a, a + taken, pieces
+
+
 class NativeStep:
     """The pointers step.c reads for one Decoder, kept alive with their tensors (the model's NativeSwitch drops
     this when the model's weights move, since the pointers would then be stale)."""
@@ -110,18 +181,16 @@ class NativeStep:
         self._model = StepModel(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                 cfg.intermediate_size, cfg.vocab_size, decoder.dtype == torch.bfloat16,
                                 cfg.rms_norm_eps, keep(decoder.model.embed_tokens.weight),
-                                keep(decoder.model.norm.weight), keep(decoder.head_weight), keep(decoder.rope.cos),
-                                keep(decoder.rope.sin), ctypes.cast(self._layers, ctypes.POINTER(Layer)))
-        self._dtype = decoder.dtype
+                                keep(decoder.model.norm.weight), keep(decoder.head_weight),
+                                *_tables(decoder.rope, keep), ctypes.cast(self._layers, ctypes.POINTER(Layer)))
         self._tap_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
     @staticmethod
     def accepts(decoder, ids, positions, segments, logit_rows, taps: tuple[int, ...]) -> bool:
-        """Whether step.c takes this `Decoder.forward_segments` call: one sequence of at most max_rows(dtype) rows
-        on the CPU, distinct taps, every segment with a bool tree mask or the causal triangle (or a single row)
-        on a cache step.c can write."""
-        M = ids.numel()
-        if not 0 < M <= max_rows(decoder.dtype) or ids.shape[0] != 1 or ids.device.type != "cpu" \
+        """Whether step.c takes this `Decoder.forward_segments` call: one sequence of rows (any number but where
+        max_rows limits them) on the CPU, distinct taps, every segment with a bool tree mask or the causal
+        triangle (or a single row) on a cache step.c can write."""
+        if not _within(ids.numel(), max_rows(decoder.dtype)) or ids.shape[0] != 1 or ids.device.type != "cpu" \
                 or len(set(taps)) != len(taps):
             return False
         # every row seeing every slot is no decoding pattern; float masks are not trees
@@ -131,9 +200,8 @@ class NativeStep:
     @staticmethod
     def build(decoder) -> "NativeStep | None":
         lib = native.library()
-        tensors = [*decoder.parameters(), decoder.rope.cos, decoder.rope.sin, *_matrices(decoder.model.layers),
-                   decoder.head_weight]
-        if lib is None or not _usable(decoder.dtype, decoder.cfg.head_dim, tensors):
+        tensors = [*decoder.parameters(), *_matrices(decoder.model.layers), decoder.head_weight]
+        if lib is None or not _usable(decoder.dtype, decoder.cfg.head_dim, tensors, decoder.rope):
             return None
         return NativeStep(decoder, lib)
 
@@ -143,7 +211,7 @@ class NativeStep:
         tree after it (ancestor masks, positions prefix + depth), both with taps, then a decode row seeing all of
         that. The arguments are the call that built the code; only the class of its segments is taken from it
         (models/kvcache.Segment: the models import this package, not the other way round)."""
-        cfg, rows = decoder.cfg, min(SELFTEST_ROWS, max_rows(decoder.dtype))
+        cfg, rows = decoder.cfg, _selftest_rows(max_rows(decoder.dtype))
         segment = type(segments[0])
         cache = decoder.new_cache(2 * rows + 1)
         tokens = (torch.arange(2 * rows + 1) * 7 + 3) % cfg.vocab_size
@@ -167,12 +235,23 @@ class NativeStep:
         return SelfTest([prefill, tree, decode], cache, 2 * rows + 1)
 
     def run(self, ids, positions, segments, logit_rows, taps: tuple[int, ...]):
-        """The call as `Decoder.forward_segments` returns it: (logits [1, R, V] fp32, features [1, M, taps * H] or
-        None)."""
+        """The call as `Decoder.forward_segments` returns it: (logits [1, R, V] fp32, features [1, M, taps * H]
+        fp32 or None). More than CHUNK rows run as consecutive native calls of at most CHUNK rows (`_chunks`),
+        which gives the same bits as one call: each row's arithmetic is independent of the rest."""
         M = ids.numel()
         rows = torch.arange(M) if logit_rows is None else torch.arange(M)[logit_rows].view(-1)
-        logits, features = self(ids.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), segments, rows,
-                                taps)
+        ids, positions = ids.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
+        if M <= CHUNK or not all(map(_sees_no_later_row, segments)):
+            logits, features = self(ids, positions, segments, rows, taps)
+        else:
+            logits = torch.empty(rows.numel(), self._model.vocab, dtype=torch.float32)
+            features = torch.empty(M, len(taps) * self._model.hidden) if taps else None
+            for a, b, pieces in _chunks(segments, CHUNK):
+                inside = ((rows >= a) & (rows < b)).nonzero().view(-1)  # the logit rows in [a, b), in order
+                part, feats = self(ids[a:b], positions[a:b], pieces, rows[inside] - a, taps)
+                logits[inside] = part
+                if feats is not None:
+                    features[a:b] = feats
         return logits.unsqueeze(0), None if features is None else features.unsqueeze(0)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, segments, logit_rows: torch.Tensor,
@@ -181,7 +260,7 @@ class NativeStep:
         cache, its slots, a bool mask [1, 1, rows, start + rows] or none for the causal triangle).
 
         Returns (logits [R, V] fp32 of the rows in `logit_rows` [R], hidden states after the layers in `taps`
-        [M, len(taps) * H] in the model's dtype, None without taps)."""
+        [M, len(taps) * H] fp32, None without taps)."""
         M = ids.numel()
         segs = (Segment * len(segments))()
         masks = []  # kept alive for the call
@@ -196,7 +275,7 @@ class NativeStep:
         logits = torch.empty(logit_rows.numel(), self._model.vocab, dtype=torch.float32)
         features = tap_slot = None
         if taps:
-            features = torch.empty(M, len(taps) * self._model.hidden, dtype=self._dtype)
+            features = torch.empty(M, len(taps) * self._model.hidden, dtype=torch.float32)
             tap_slot = self._tap_slots(taps)
         rc = self._fn(ctypes.byref(self._model), M, ids.data_ptr(), positions.data_ptr(), len(segments), segs,
                       logit_rows.numel(), logit_rows.data_ptr(), logits.data_ptr(),
@@ -229,19 +308,19 @@ class NativeDraft:
         self._layers = _layer_array(drafter.layers, keep)
         base = StepModel(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                          cfg.intermediate_size, 0, drafter.dtype == torch.bfloat16, cfg.rms_norm_eps, None,
-                         keep(drafter.norm.weight), None, keep(drafter.rope.cos), keep(drafter.rope.sin),
+                         keep(drafter.norm.weight), None, *_tables(drafter.rope, keep),
                          ctypes.cast(self._layers, ctypes.POINTER(Layer)))
         self._model = DraftModel(base, keep(drafter.fc.weight), keep(drafter.hidden_norm.weight),
                                  drafter.fc.weight.shape[1])
-        self._dtype, self._hidden = drafter.dtype, cfg.hidden_size
+        self._hidden = cfg.hidden_size
 
     @staticmethod
     def accepts(drafter, block_emb, block_pos, features, ctx_pos, segments) -> bool:
         """Whether draft.c takes this `DFlashDrafter.forward_segments` call: every request with a cache it can
         write (decoding, not training) and room there for its context and block, no masks, the blocks at most
-        max_rows(dtype) rows in all (several requests' blocks beyond that: oneDNN's blocked products win)."""
+        draft_max_rows(dtype) rows in all (several requests' blocks beyond that: oneDNN's blocked products win)."""
         if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
-                or block_emb.shape[1] > max_rows(drafter.dtype):
+                or block_emb.shape[1] > draft_max_rows(drafter.dtype):
             return False
         return all(seg.cache is not None and seg.mask is None and cache_fits(seg.cache)
                    and seg.start + seg.ctx_length + seg.block_length <= seg.cache.capacity for seg in segments)
@@ -249,8 +328,8 @@ class NativeDraft:
     @staticmethod
     def build(drafter) -> "NativeDraft | None":
         lib = native.library()
-        tensors = [*drafter.parameters(), drafter.rope.cos, drafter.rope.sin, *_matrices(drafter.layers)]
-        if lib is None or not _usable(drafter.dtype, drafter.cfg.head_dim, tensors):
+        tensors = [*drafter.parameters(), *_matrices(drafter.layers)]
+        if lib is None or not _usable(drafter.dtype, drafter.cfg.head_dim, tensors, drafter.rope):
             return None
         return NativeDraft(drafter, lib)
 
@@ -260,7 +339,7 @@ class NativeDraft:
         one more context row (the block sees the cached context of both). The arguments are the call that built
         the code; only the class of its segments is taken from it (models/dflash.DraftSegment, whose module
         imports this package)."""
-        rows = min(SELFTEST_ROWS, max_rows(drafter.dtype))
+        rows = _selftest_rows(draft_max_rows(drafter.dtype))
         segment = type(segments[0])
         context = (rows, 1)
         cache = drafter.new_cache(sum(context) + rows)
@@ -276,10 +355,10 @@ class NativeDraft:
         return SelfTest(calls, cache, sum(context))
 
     def run(self, block_emb, block_pos, features, ctx_pos, segments) -> torch.Tensor:
-        """The call as `DFlashDrafter.forward_segments` returns it (final-normed block rows [1, T, H]), each
+        """The call as `DFlashDrafter.forward_segments` returns it (final-normed block rows [1, T, H] fp32), each
         cache's length advanced past its new context as the torch forward does."""
-        hidden = self(block_emb[0].to(self._dtype).contiguous(), block_pos.reshape(-1).contiguous(),
-                      features[0].to(self._dtype).contiguous(), ctx_pos.reshape(-1).contiguous(), segments)
+        hidden = self(block_emb[0].float().contiguous(), block_pos.reshape(-1).contiguous(),
+                      features[0].float().contiguous(), ctx_pos.reshape(-1).contiguous(), segments)
         for seg in segments:
             seg.cache.length = seg.start + seg.ctx_length
         return hidden.unsqueeze(0)
@@ -288,7 +367,7 @@ class NativeDraft:
                  ctx_pos: torch.Tensor, segments) -> torch.Tensor:
         """Final-normed block rows [T, H] for block_emb [T, H] at block_pos [T], after writing the context rows
         (features [C, taps * H] at ctx_pos [C]) to their caches; rows of both are split in order into
-        `segments` (dflash.DraftSegment, one request each)."""
+        `segments` (dflash.DraftSegment, one request each). All fp32 activations, whatever the model's dtype."""
         T, C = block_emb.shape[0], features.shape[0]
         segs = (DraftSegment * len(segments))()
         for i, seg in enumerate(segments):
@@ -297,7 +376,7 @@ class NativeDraft:
                 raise ValueError(f"drafter cache overflow: {need} slots needed, capacity {seg.cache.capacity}")
             segs[i] = DraftSegment(seg.cache.k.data_ptr(), seg.cache.v.data_ptr(), seg.cache.capacity, seg.start,
                                    seg.ctx_length, seg.block_length)
-        out = torch.empty(T, self._hidden, dtype=self._dtype)
+        out = torch.empty(T, self._hidden, dtype=torch.float32)
         rc = self._fn(ctypes.byref(self._model), len(segments), segs, C, features.data_ptr(), ctx_pos.data_ptr(), T,
                       block_emb.data_ptr(), block_pos.data_ptr(), out.data_ptr())
         if rc != 0:

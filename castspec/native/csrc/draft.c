@@ -32,15 +32,16 @@ typedef struct {
     RowAttn *see;                                            /* [T] */
     float *x, *ctx, *n, *proj, *act, *heads_out, *probs;      /* [rows, H] x3, [rows, wide] [rows, F]
                                                                 [rows, nq] [T, heads, S16] */
-    void *xs, *ys;                                           /* the products' model-dtype inputs and outputs */
+    void *xs;                                                /* the bf16 products' inputs */
 } DraftScratch;
 
 static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16, DraftScratch *s) {
     const StepModel *m = &dm->base;
     const int H = m->hidden, nq = m->heads * m->head_dim, qkv = nq + 2 * m->kv_heads * m->head_dim, F = m->inter;
-    const int rows = C > T ? C : T, wide0 = 2 * F > qkv ? 2 * F : qkv, wide = wide0 > dm->fc_in ? wide0 : dm->fc_in;
+    const int rows = C > T ? C : T, wide = 2 * F > qkv ? 2 * F : qkv; /* wide: the widest activation row */
+    const int in = wide > dm->fc_in ? wide : dm->fc_in;                  /* the widest product input */
     const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
-    const int64_t io = (int64_t)rows * (wide > H ? wide : H);
+    const int64_t io = (int64_t)rows * (in > H ? in : H);
     s->see = take(a, sizeof(RowAttn) * T);
     s->x = take(a, f * rows * H);
     s->ctx = take(a, f * rows * H);
@@ -50,18 +51,17 @@ static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16,
     s->heads_out = take(a, f * rows * nq);
     s->probs = take(a, f * T * m->heads * S16);
     s->xs = take(a, esz * io);
-    s->ys = take(a, esz * io);
 }
 
-/* The context rows of every segment (features [C, fc_in] in the model's dtype, at RoPE positions ctx_pos,
- * concatenated in segment order) are fused (fc, norm) and their keys/values written to their cache's slots
- * [start, start + ctx_rows); each segment's block rows (block_emb [T, hidden], positions block_pos, also
- * concatenated) see their cache up to there and their whole block. out [T, hidden] (model dtype) receives the
- * final-normed block rows. A block's own keys/values go to the slots after its context as scratch (the
+/* The context rows of every segment (features [C, fc_in], at RoPE positions ctx_pos, concatenated in segment
+ * order) are fused (fc, norm) and their keys/values written to their cache's slots [start, start + ctx_rows);
+ * each segment's block rows (block_emb [T, hidden], positions block_pos, also concatenated) see their cache up
+ * to there and their whole block. out [T, hidden] receives the final-normed block rows. Inputs and output are
+ * fp32 activations whatever the model's dtype (layer.h). A block's own keys/values go to the slots after its context as scratch (the
  * cache's length stays start + ctx_rows; the caller guarantees capacity for both). Returns 0, or -1 when out
  * of memory. */
-int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const void *features,
-                const int64_t *ctx_pos, int T, const void *block_emb, const int64_t *block_pos, void *out) {
+int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const float *features,
+                const int64_t *ctx_pos, int T, const float *block_emb, const int64_t *block_pos, float *out) {
     const StepModel *m = &dm->base;
     const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads, FI = dm->fc_in;
     const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk, esz = m->bf16 ? 2 : 4;
@@ -77,22 +77,19 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
     float *x = s.x, *ctx = s.ctx, *n = s.n, *proj = s.proj, *act = s.act, *heads_out = s.heads_out;
     float *probs = s.probs;
     RowAttn *see = s.see;
-    void *xs = s.xs, *ys = s.ys;
+    void *xs = s.xs;
 
     /* the context: fc over the concatenated taps, then hidden_norm */
-    if (m->bf16) from_model(features, proj, (int64_t)C * FI);
-    else memcpy(proj, features, sizeof(float) * C * FI);
-    linear(m, dm->fc, NULL, proj, C, H, FI, xs, ys, n);
+    linear(m, dm->fc, NULL, features, C, H, FI, xs, n);
     for (int c = 0; c < C; ++c) rms_norm(m, n + c * H, dm->hidden_norm, H, ctx + c * H);
-    if (m->bf16) from_model(block_emb, x, (int64_t)T * H);
-    else memcpy(x, block_emb, sizeof(float) * T * H);
+    memcpy(x, block_emb, sizeof(float) * T * H);
 
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
         /* context keys/values: the k|v rows of the fused projection on the fused context, no input norm */
         const void *kv_w = (const char *)L->qkv_w + (size_t)nq * H * esz;
         const void *kv_b = L->qkv_b ? (const char *)L->qkv_b + (size_t)nq * esz : NULL;
-        linear(m, kv_w, kv_b, ctx, C, 2 * nk, H, xs, ys, proj);
+        linear(m, kv_w, kv_b, ctx, C, 2 * nk, H, xs, proj);
         for (int g = 0, c = 0; g < nseg; ++g) {
             const DraftSegment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
@@ -104,7 +101,7 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
         }
         /* the blocks */
         for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, L->attn_norm, H, n + t * H);
-        linear(m, L->qkv_w, L->qkv_b, n, T, qkv, H, xs, ys, proj);
+        linear(m, L->qkv_w, L->qkv_b, n, T, qkv, H, xs, proj);
         for (int g = 0, t = 0; g < nseg; ++g) {
             const DraftSegment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
@@ -114,16 +111,14 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
                 norm_rope_heads(m, L, row, nh, nkv, block_pos[t]);
                 write_kv(m, sg->k + layer, sg->v + layer, head_stride, sg->start + sg->ctx_rows + j, row + nq,
                          row + nq + nk);
-                see[t] = (RowAttn){sg->k + layer, sg->v + layer, head_stride, S, S, NULL}; /* everything */
+                see[t] = (RowAttn){sg->k + layer, sg->v + layer, head_stride, S, NULL}; /* everything */
             }
         }
         /* n is free again once the block's projections are taken: it holds attention's and the MLP's outputs */
-        attention(m, L, T, proj, qkv, see, S16, probs, heads_out, x, xs, ys, n);
-        mlp(m, L, T, x, n, proj, act, xs, ys, n);
+        attention(m, L, T, proj, qkv, see, S16, probs, heads_out, x, xs, n);
+        mlp(m, L, T, x, n, proj, act, xs, n);
     }
-    for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, m->final_norm, H, n + t * H);
-    if (m->bf16) to_model(n, out, (int64_t)T * H);
-    else memcpy(out, n, sizeof(float) * T * H);
+    for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, m->final_norm, H, out + t * H);
     free(arena.base);
     return 0;
 }

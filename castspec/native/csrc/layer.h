@@ -1,8 +1,15 @@
-/* The pieces of a Llama / Qwen3 / DFlash-drafter layer for a few rows, shared by step.c (target forwards)
+/* The pieces of a Llama / Qwen3 / DFlash-drafter layer for a forward's rows, shared by step.c (target forwards)
  * and draft.c (the drafter's block pass): everything between the products (skinny.c), vectorized.
  *
- * Values are rounded to the model's dtype exactly where the torch forward (castspec/models/) rounds them, so
- * both paths compute the same function up to summation order inside attention and the rounding of exp.
+ * Activations stay in fp32 in a bf16 model too (the residual stream, norms, RoPE, attention, softmax, the
+ * MLP's activation): only what enters a bf16 product is rounded, as it enters, and the products' fp32 sums are
+ * kept (bf16 weights, not bf16 arithmetic; as the torch forward in castspec/models/ computes it, up to the
+ * summation order inside attention and products and the rounding of exp).
+ *
+ * Every row's arithmetic is independent of the other rows in its forward: the products sum in one order
+ * whatever the row count (skinny.c), and attention depends only on the ordered list of keys a row sees
+ * (attend_head), never on the slots they sit in. So a row gives the same bits alone or in any batch, a tree
+ * row the bits of the decode step at its position, and a prompt the same cache whatever its chunking.
  */
 #ifndef CASTSPEC_LAYER_H
 #define CASTSPEC_LAYER_H
@@ -14,7 +21,7 @@
 
 #include "simd.h"
 
-void skinny_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, int M, int O, int I, int ldx, int ldy);
+void skinny_bf16_f32(const uint16_t *W, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy);
 void skinny_f32(const float *W, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
 
 /* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native/abi.py's Layer. */
@@ -27,29 +34,27 @@ typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, bf16;
     float eps;
     const void *embed, *final_norm, *head; /* embed [vocab, hidden]; head = lm_head or the tied embedding */
-    const void *cos, *sin;                 /* RoPE tables [positions, head_dim], sin with rotate-half's sign */
+    const float *cos, *sin;                /* RoPE tables [positions, head_dim] in fp32 whatever the model's
+                                              dtype, sin with rotate-half's sign */
     const Layer *layer;
 } StepModel;
 
-/* Activations live in fp32 and are rounded to the model's dtype wherever torch stores a tensor (rnd16, a
- * no-op for fp32; simd.h's narrow); all of it sixteen lanes at a time, `k` masking the lanes of a row's last
- * partial vector (simd.h's lanes). */
+/* All of it sixteen lanes at a time, `k` masking the lanes of a row's last partial vector (simd.h's lanes). */
 
+/* Sixteen elements of a weight (model dtype) from element i, as fp32. */
 static inline __m512 load16(const StepModel *m, const void *p, int64_t i, __mmask16 k) {
     return m->bf16 ? widen(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
 }
 
-static inline __m512 rnd16(const StepModel *m, __m512 v) { return m->bf16 ? widen(narrow(v)) : v; }
-
-/* x[i] = round(x[i] + y[i]) over n elements: a residual add. */
-static void add_rounded(const StepModel *m, float *x, const float *y, int64_t n) {
+/* x[i] += y[i] over n elements: a residual add. */
+static void add_to(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = lanes(n, i);
-        _mm512_mask_storeu_ps(x + i, k, rnd16(m, _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, y + i))));
+        _mm512_mask_storeu_ps(x + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, y + i)));
     }
 }
 
-/* fp32 rows -> model-dtype copies (the products' inputs) and back (their outputs). */
+/* fp32 rows -> bf16 copies: a bf16 product's inputs, rounded as they enter it. */
 static void to_model(const float *x, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = lanes(n, i);
@@ -57,16 +62,9 @@ static void to_model(const float *x, uint16_t *out, int64_t n) {
     }
 }
 
-static void from_model(const uint16_t *y, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = lanes(n, i);
-        _mm512_mask_storeu_ps(out + i, k, widen(_mm256_maskz_loadu_epi16(k, y + i)));
-    }
-}
-
 static __m512 exp16(__m512 x);
 
-/* out = w * round(rms_norm(x)), as RMSNorm in layers.py: normalized in fp32, rounded, then times the weight. */
+/* out = w * rms_norm(x), all in fp32 (the weight widened from the model's dtype). */
 static void rms_norm(const StepModel *m, const float *x, const void *w, int n, float *out) {
     __m512 ss = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16) {
@@ -76,20 +74,18 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
     const __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + m->eps));
     for (int i = 0; i < n; i += 16) {
         const __mmask16 k = lanes(n, i);
-        const __m512 normed = rnd16(m, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), r));
-        _mm512_mask_storeu_ps(out + i, k, rnd16(m, _mm512_mul_ps(load16(m, w, i, k), normed)));
+        const __m512 normed = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), r);
+        _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(load16(m, w, i, k), normed));
     }
 }
 
-/* Y[M, O] = round(X[M, I] . W[O, I]^T + b): the products in the model's dtype through skinny.c, the bias
- * added after rounding, as native/linear.py's linear does. xs / ys are scratch of M*I / M*O model-dtype elements. */
+/* Y[M, O] = X[M, I] . W[O, I]^T + b in fp32 through skinny.c: in a bf16 model the rows X are rounded to bf16
+ * as they enter the product (xs: scratch of M*I bf16 elements) and its fp32 sums kept, the bias added in fp32. */
 static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
-                   void *xs, void *ys, float *Y) {
-    const int64_t n_in = (int64_t)M * I, n_out = (int64_t)M * O;
+                   uint16_t *xs, float *Y) {
     if (m->bf16) {
-        to_model(X, xs, n_in);
-        skinny_bf16(W, xs, ys, M, O, I, I, O);
-        from_model(ys, Y, n_out);
+        to_model(X, xs, (int64_t)M * I);
+        skinny_bf16_f32(W, xs, Y, M, O, I, I, O);
     } else {
         skinny_f32(W, X, Y, M, O, I, I, O);
     }
@@ -98,21 +94,21 @@ static void linear(const StepModel *m, const void *W, const void *b, const float
             for (int o = 0; o < O; o += 16) {
                 const __mmask16 k = lanes(O, o);
                 float *y = Y + (int64_t)r * O + o;
-                _mm512_mask_storeu_ps(y, k, rnd16(m, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), load16(m, b, o, k))));
+                _mm512_mask_storeu_ps(y, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), load16(m, b, o, k)));
             }
 }
 
-/* RoPE on one head in place: x * cos + roll(x, d/2) * signed sin, each product and the sum rounded. */
+/* RoPE on one head in place, in fp32: x * cos + roll(x, d/2) * signed sin. */
 static void rope(const StepModel *m, float *x, int64_t pos) {
     const int d = m->head_dim, h = d / 2;
     float rolled[512];
     memcpy(rolled, x + h, sizeof(float) * h);
     memcpy(rolled + h, x, sizeof(float) * h);
     for (int i = 0; i < d; i += 16) { /* d is a multiple of 16 */
-        const __m512 c = load16(m, m->cos, pos * d + i, 0xffff), s = load16(m, m->sin, pos * d + i, 0xffff);
-        const __m512 a = rnd16(m, _mm512_mul_ps(_mm512_loadu_ps(x + i), c));
-        const __m512 b = rnd16(m, _mm512_mul_ps(_mm512_loadu_ps(rolled + i), s));
-        _mm512_storeu_ps(x + i, rnd16(m, _mm512_add_ps(a, b)));
+        const __m512 c = _mm512_loadu_ps(m->cos + pos * d + i), s = _mm512_loadu_ps(m->sin + pos * d + i);
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + i), c);
+        const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(rolled + i), s);
+        _mm512_storeu_ps(x + i, _mm512_add_ps(a, b));
     }
 }
 
@@ -153,40 +149,38 @@ static __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Softmax attention of one query head over the slots [0, S) of its key/value head that `visible` allows
- * (NULL: the first `upto` slots); out[d] in fp32. p is scratch of S rounded up to 16 floats. Scores go
- * sixteen slots at a time (one horizontal-sum tree), exp sixteen lanes at a time. */
-static void attend_head(const float *q, const float *K, const float *V, int S, const uint8_t *visible, int upto,
-                        int d, float scale, float *p, float *out) {
+/* Softmax attention of one query head over the n keys it sees, in order: slots keys[0..n) of its key/value head
+ * (keys NULL: slots [0, n)); out[d] in fp32. p is scratch of n rounded up to 16 floats.
+ *
+ * Everything runs over that compact list (scores sixteen keys at a time through one horizontal-sum tree, the
+ * softmax's max and sum over its lanes, the values' weighted sum key by key), so the bits depend only on the
+ * ordered keys, never on the slots they occupy or on keys the row does not see: a tree row (prefix and
+ * ancestors, parents first) computes exactly what the decode step at its position computes over slots
+ * 0..pos. */
+static void attend_head(const float *q, const float *K, const float *V, int n, const int32_t *keys, int d,
+                        float scale, float *p, float *out) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 vmax = ninf;
-    for (int s0 = 0; s0 < S; s0 += 16) {
-        const int n = S - s0 < 16 ? S - s0 : 16;
+    for (int c0 = 0; c0 < n; c0 += 16) {
+        const int w = n - c0 < 16 ? n - c0 : 16;
         __m512 acc[16];
         for (int j = 0; j < 16; ++j) {
             acc[j] = _mm512_setzero_ps();
-            if (j < n)
+            if (j < w) {
+                const float *key = K + (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
                 for (int i = 0; i < d; i += 16)
-                    acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(K + (int64_t)(s0 + j) * d + i), acc[j]);
+                    acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(key + i), acc[j]);
+            }
         }
-        __mmask16 seen = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-        if (visible) {
-            const __m128i vis = _mm_maskz_loadu_epi8(seen, visible + s0);
-            seen &= _mm_test_epi8_mask(vis, vis);
-        } else {
-            const int below = upto - s0; /* slots s0 + j < upto */
-            seen &= below >= 16 ? (__mmask16)0xffff : below <= 0 ? (__mmask16)0 : (__mmask16)((1u << below) - 1u);
-        }
-        const __m512 sc = _mm512_mask_blend_ps(seen, ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-        _mm512_storeu_ps(p + s0, sc);
+        const __m512 sc = _mm512_mask_blend_ps(lanes(n, c0), ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(p + c0, sc);
         vmax = _mm512_max_ps(vmax, sc);
     }
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
-    for (int s0 = 0; s0 < S; s0 += 16) {
-        const __m512 sc = _mm512_loadu_ps(p + s0);
-        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sc, ninf, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(sc, mx)));
-        _mm512_storeu_ps(p + s0, e);
+    for (int c0 = 0; c0 < n; c0 += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(lanes(n, c0), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + c0), mx)));
+        _mm512_storeu_ps(p + c0, e);
         vsum = _mm512_add_ps(vsum, e);
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
@@ -194,14 +188,22 @@ static void attend_head(const float *q, const float *K, const float *V, int S, c
         const int c = d - i0 < 128 ? (d - i0) / 16 : 8;
         __m512 o[8];
         for (int k = 0; k < 8; ++k) o[k] = _mm512_setzero_ps();
-        for (int s = 0; s < S; ++s) {
-            if (p[s] == 0.f) continue; /* masked, or too small to count */
-            const __m512 w = _mm512_set1_ps(p[s]);
-            for (int k = 0; k < c; ++k)
-                o[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + (int64_t)s * d + i0 + 16 * k), o[k]);
+        for (int j = 0; j < n; ++j) {
+            const __m512 w = _mm512_set1_ps(p[j]);
+            const float *value = V + (int64_t)(keys ? keys[j] : j) * d + i0;
+            for (int k = 0; k < c; ++k) o[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * k), o[k]);
         }
         for (int k = 0; k < c; ++k) _mm512_storeu_ps(out + i0 + 16 * k, _mm512_mul_ps(o[k], inv));
     }
+}
+
+/* The slots a row sees, ascending, from its mask row visible[0, S) (nonzero = visible) into keys; returns how
+ * many. */
+static int visible_keys(const uint8_t *visible, int S, int32_t *keys) {
+    int n = 0;
+    for (int s = 0; s < S; ++s)
+        if (visible[s]) keys[n++] = s;
+    return n;
 }
 
 /* Per-head RMSNorm (when the layer has one: Qwen3, drafters) then RoPE at `pos`, in place, on `nq` query
@@ -229,13 +231,13 @@ static void write_kv(const StepModel *m, float *K, float *V, int64_t head_stride
     }
 }
 
-/* What one row attends over at the current layer: its cache ([kv_heads, capacity, head_dim] from K and V), the
- * slots [0, S) that `visible` allows (NULL: the first `upto`). */
+/* What one row attends over at the current layer: its cache ([kv_heads, capacity, head_dim] from K and V) at
+ * the n slots keys[0..n), ascending (keys NULL: slots [0, n)). */
 typedef struct {
     const float *K, *V;
     int64_t head_stride; /* capacity * head_dim */
-    int S, upto;
-    const uint8_t *visible;
+    int n;
+    const int32_t *keys;
 } RowAttn;
 
 /* A forward's scratch: one allocation, handed out by `take`. A forward lays its buffers out in one function
@@ -267,44 +269,40 @@ static int arena_open(Arena *a) {
 
 /* Attention of M rows' query heads (row r's at q + r * ldq), each over its own RowAttn; then the output
  * projection and the residual into x [M, hidden]. probs is scratch of M * heads * S16 floats (S16: the largest
- * S rounded up to 16), heads_out of M * heads * head_dim. */
+ * n rounded up to 16), heads_out of M * heads * head_dim. */
 static void attention(const StepModel *m, const Layer *L, int M, const float *q, int64_t ldq, const RowAttn *rows,
-                      int S16, float *probs, float *heads_out, float *x, void *xs, void *ys, float *att) {
+                      int S16, float *probs, float *heads_out, float *x, void *xs, float *att) {
     const int d = m->head_dim, nh = m->heads, nq = nh * d, group = nh / m->kv_heads;
     const float scale = 1.f / sqrtf((float)d);
-#pragma omp parallel for schedule(static) if ((int64_t)M * rows[0].S >= 64)
+#pragma omp parallel for schedule(static) if ((int64_t)M * rows[0].n >= 64)
     for (int rh = 0; rh < M * nh; ++rh) {
         const int r = rh / nh, h = rh % nh;
         const RowAttn *a = &rows[r];
         attend_head(q + r * ldq + h * d, a->K + (h / group) * a->head_stride, a->V + (h / group) * a->head_stride,
-                    a->S, a->visible, a->upto, d, scale, probs + (int64_t)rh * S16, heads_out + (int64_t)r * nq + h * d);
+                    a->n, a->keys, d, scale, probs + (int64_t)rh * S16, heads_out + (int64_t)r * nq + h * d);
     }
-    for (int64_t i = 0; i < (int64_t)M * nq; i += 16) { /* .to(dtype) before o_proj */
-        const __mmask16 k = lanes((int64_t)M * nq, i);
-        _mm512_mask_storeu_ps(heads_out + i, k, rnd16(m, _mm512_maskz_loadu_ps(k, heads_out + i)));
-    }
-    linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, ys, att);
-    add_rounded(m, x, att, (int64_t)M * m->hidden);
+    linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, att);
+    add_to(x, att, (int64_t)M * m->hidden);
 }
 
 /* x += down(silu(gate) * up) of the post-attention-normed rows. n, gu [M, 2 * inter], act [M, inter], att
  * [M, hidden] are scratch. */
 static void mlp(const StepModel *m, const Layer *L, int M, float *x, float *n, float *gu, float *act, void *xs,
-                void *ys, float *att) {
+                float *att) {
     const int H = m->hidden, F = m->inter;
     for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->mlp_norm, H, n + r * H);
-    linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, ys, gu); /* per row: gate | up */
-    for (int r = 0; r < M; ++r) /* silu(gate) * up, each rounded */
+    linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, gu); /* per row: gate | up */
+    for (int r = 0; r < M; ++r) /* silu(gate) * up */
         for (int i = 0; i < F; i += 16) {
             const __mmask16 k = lanes(F, i);
             const __m512 g = _mm512_maskz_loadu_ps(k, gu + (int64_t)r * 2 * F + i);
             const __m512 u = _mm512_maskz_loadu_ps(k, gu + (int64_t)r * 2 * F + F + i);
             const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-            _mm512_mask_storeu_ps(act + (int64_t)r * F + i, k, rnd16(m, _mm512_mul_ps(rnd16(m, silu), u)));
+            _mm512_mask_storeu_ps(act + (int64_t)r * F + i, k, _mm512_mul_ps(silu, u));
         }
-    linear(m, L->down_w, L->down_b, act, M, H, F, xs, ys, att);
-    add_rounded(m, x, att, (int64_t)M * H);
+    linear(m, L->down_w, L->down_b, act, M, H, F, xs, att);
+    add_to(x, att, (int64_t)M * H);
 }
 
 #endif

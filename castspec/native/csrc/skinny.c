@@ -113,9 +113,15 @@ static inline void put_bf16(const float *out, int R, uint16_t *y, int64_t ldy) {
         }                                                                                            \
     }
 
-/* bf16 in, bf16 out, fp32 accumulation (VDPBF16PS: pairs of products summed into fp32 lanes). */
+/* bf16 in, bf16 out, fp32 accumulation (VDPBF16PS: pairs of products summed into fp32 lanes): native/linear.py's
+ * products for the torch forward. */
 void skinny_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, int M, int O, int I, int ldx, int ldy) {
     SKINNY(dots_bf16, put_bf16)
+}
+
+/* bf16 in, the fp32 sums out unrounded: the whole forwards' products (layer.h), whose activations stay fp32. */
+void skinny_bf16_f32(const uint16_t *W, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
+    SKINNY(dots_bf16, put_f32)
 }
 
 /* fp32 in and out, fp32 fused multiply-adds. */

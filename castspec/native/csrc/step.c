@@ -1,15 +1,16 @@
-/* A forward of a few rows (a decode step, a causal prefill chunk, a packed tree) through a Llama / Qwen3
- * decoder in one native call.
+/* A forward of some rows (a decode step, a causal prefill chunk, a packed tree, several requests' rows) through
+ * a Llama / Qwen3 decoder in one native call.
  *
  * Such a forward streams every weight once and does little else, yet in eager torch its ~50 small ops per
  * layer (norms, RoPE, cache writes, attention, residuals) can cost more than the weight reads.
- * Here the whole forward is one call: the products use skinny.c's kernels, the rest is layer.h.
+ * Here the whole forward is one call: the products use skinny.c's kernels, the rest is layer.h, and every
+ * row's bits are independent of the other rows (layer.h), so it takes any number of rows.
  * Weights are read through the pointers in StepModel (built by castspec/native/forward.py); the K/V
  * cache is the fp32 [layers, 1, kv_heads, capacity, head_dim] tensor of castspec/models/kvcache.py.
  */
 #include "layer.h"
 
-/* Rows of the embedding `table` [*, hidden] (model dtype) for token ids, as fp32. */
+/* Rows of the embedding `table` [*, hidden] (model dtype) for token ids, as fp32 (exact). */
 static void embed_rows(const StepModel *m, const void *table, const int64_t *tokens, int M, float *x) {
     const int H = m->hidden;
     for (int r = 0; r < M; ++r)
@@ -37,17 +38,20 @@ const int64_t castspec_sizeof_Layer = sizeof(Layer), castspec_sizeof_StepModel =
 /* What forward_rows works in, all from one Arena (see layer.h). */
 typedef struct {
     RowAttn *see;                                       /* [M] */
+    int32_t *keys, *nkeys;                              /* [M, Smax] [M]: masked rows' visible slots, counts */
     float *x, *n, *proj, *att, *act, *heads_out, *probs; /* [M, H] [M, H] [M, wide] [M, H] [M, F] [M, nq]
                                                            [M, heads, S16] */
-    void *xs, *ys;                                      /* the products' model-dtype inputs and outputs */
+    void *xs;                                           /* the bf16 products' inputs */
 } StepScratch;
 
-static void step_scratch(Arena *a, const StepModel *m, int M, int R, int S16, StepScratch *s) {
+static void step_scratch(Arena *a, const StepModel *m, int M, int R, int Smax, int S16, StepScratch *s) {
     const int H = m->hidden, nq = m->heads * m->head_dim, qkv = nq + 2 * m->kv_heads * m->head_dim, F = m->inter;
     const int wide = 2 * F > qkv ? 2 * F : qkv; /* the widest activation row */
     const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
-    const int64_t io = (int64_t)M * (wide > H ? wide : H), lo = (int64_t)R * m->vocab; /* lo: the logits */
+    const int64_t io = (int64_t)M * (wide > H ? wide : H);
     s->see = take(a, sizeof(RowAttn) * M);
+    s->keys = take(a, sizeof(int32_t) * M * Smax);
+    s->nkeys = take(a, sizeof(int32_t) * M);
     s->x = take(a, f * M * H);
     s->n = take(a, f * (M > R ? M : R) * H);
     s->proj = take(a, f * M * wide);
@@ -56,17 +60,17 @@ static void step_scratch(Arena *a, const StepModel *m, int M, int R, int S16, St
     s->heads_out = take(a, f * M * nq);
     s->probs = take(a, f * M * m->heads * S16);
     s->xs = take(a, esz * (io > (int64_t)R * H ? io : (int64_t)R * H)); /* R * H: the final norm's rows */
-    s->ys = take(a, esz * (lo > io ? lo : io));
 }
 
-/* The forward of M rows, split in order into `nseg` segments (one per request): tokens[r] at RoPE position
- * pos[r]. logits[R, vocab] receive the lm_head rows logit_rows[0..R) (rounded to the model's dtype). With
- * tap_slot (per layer: -1, or j to store the layer's output as tap j) taps_out [M, ntaps, hidden] (model dtype)
- * receives the drafter's features. Returns 0, or -1 when out of memory. Supported (checked by the caller):
- * head_dim a multiple of 16 and at most 512. */
+/* The forward of M rows (any number: each row's bits are the same alone or among others), split in order into
+ * `nseg` segments (one per request): tokens[r] at RoPE position pos[r]. logits[R, vocab] (fp32 sums of the
+ * lm_head product) receive the rows logit_rows[0..R). With tap_slot (per layer: -1, or j to store the layer's
+ * output as tap j) taps_out [M, ntaps, hidden] (fp32) receives the drafter's features. Returns 0, or -1 when
+ * out of memory (scratch grows with M times the longest segment: callers bound M). Supported (checked by the
+ * caller): head_dim a multiple of 16 and at most 512. */
 int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t *pos, int nseg,
                  const Segment *segs, int R, const int64_t *logit_rows, float *logits, const int32_t *tap_slot,
-                 int ntaps, void *taps_out) {
+                 int ntaps, float *taps_out) {
     const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads;
     const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk;
     int Smax = 1;
@@ -75,46 +79,45 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     const int S16 = (Smax + 15) & ~15;
     Arena arena = {NULL, 0};
     StepScratch s;
-    if (ARENA_LAYOUT(arena, step_scratch(&arena, m, M, R, S16, &s))) return -1;
+    if (ARENA_LAYOUT(arena, step_scratch(&arena, m, M, R, Smax, S16, &s))) return -1;
     float *x = s.x, *n = s.n, *proj = s.proj, *att = s.att, *act = s.act, *heads_out = s.heads_out;
     float *probs = s.probs;
     RowAttn *see = s.see;
-    void *xs = s.xs, *ys = s.ys;
+    void *xs = s.xs;
 
+    /* what each row sees, the same in every layer: a masked row its visible slots as a list (attend_head), an
+     * unmasked one slots [0, start + j] */
+    for (int g = 0, r = 0; g < nseg; ++g) {
+        const Segment *sg = &segs[g];
+        const int S = (int)(sg->start + sg->rows);
+        for (int j = 0; j < sg->rows; ++j, ++r)
+            s.nkeys[r] = sg->mask ? visible_keys(sg->mask + (int64_t)j * S, S, s.keys + (int64_t)r * Smax)
+                                  : (int)sg->start + j + 1;
+    }
     embed_rows(m, m->embed, tokens, M, x);
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
         for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->attn_norm, H, n + r * H);
-        linear(m, L->qkv_w, L->qkv_b, n, M, qkv, H, xs, ys, proj); /* per row: q | k | v heads */
+        linear(m, L->qkv_w, L->qkv_b, n, M, qkv, H, xs, proj); /* per row: q | k | v heads */
         for (int g = 0, r = 0; g < nseg; ++g) { /* every row's keys/values are in place before any row attends */
             const Segment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
-            const int S = (int)(sg->start + sg->rows);
             for (int j = 0; j < sg->rows; ++j, ++r) {
                 float *row = proj + (int64_t)r * qkv;
                 norm_rope_heads(m, L, row, nh, nkv, pos[r]);
                 write_kv(m, sg->k + layer, sg->v + layer, head_stride, sg->start + j, row + nq, row + nq + nk);
-                see[r] = (RowAttn){sg->k + layer, sg->v + layer, head_stride, S, (int)sg->start + j + 1,
-                                   sg->mask ? sg->mask + (int64_t)j * S : NULL};
+                see[r] = (RowAttn){sg->k + layer, sg->v + layer, head_stride, s.nkeys[r],
+                                   sg->mask ? s.keys + (int64_t)r * Smax : NULL};
             }
         }
-        attention(m, L, M, proj, qkv, see, S16, probs, heads_out, x, xs, ys, att);
-        mlp(m, L, M, x, n, proj, act, xs, ys, att);
+        attention(m, L, M, proj, qkv, see, S16, probs, heads_out, x, xs, att);
+        mlp(m, L, M, x, n, proj, act, xs, att);
         if (tap_slot && tap_slot[l] >= 0)
-            for (int r = 0; r < M; ++r) {
-                const int64_t off = ((int64_t)r * ntaps + tap_slot[l]) * H;
-                if (m->bf16) to_model(x + r * H, (uint16_t *)taps_out + off, H);
-                else memcpy((float *)taps_out + off, x + r * H, sizeof(float) * H);
-            }
+            for (int r = 0; r < M; ++r)
+                memcpy(taps_out + ((int64_t)r * ntaps + tap_slot[l]) * H, x + r * H, sizeof(float) * H);
     }
     for (int j = 0; j < R; ++j) rms_norm(m, x + logit_rows[j] * H, m->final_norm, H, n + (int64_t)j * H);
-    if (m->bf16) {
-        to_model(n, (uint16_t *)xs, (int64_t)R * H);
-        skinny_bf16(m->head, (const uint16_t *)xs, ys, R, m->vocab, H, H, m->vocab);
-        from_model(ys, logits, (int64_t)R * m->vocab);
-    } else {
-        skinny_f32(m->head, n, logits, R, m->vocab, H, H, m->vocab);
-    }
+    linear(m, m->head, NULL, n, R, m->vocab, H, xs, logits);
     free(arena.base);
     return 0;
 }
