@@ -55,6 +55,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch
     return DTYPES[dtype], "as requested"
 
 
+def forward_guarantee(target: Decoder) -> tuple[str, str]:
+    """The target's exactness guarantee (native/dispatch.NativeSwitch.guarantee), after one scratch forward has
+    built and checked its native code where that applies (what the first request would otherwise do)."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=target.device)
+    with torch.inference_mode():
+        target(one, one, target.new_cache(1), 0, logit_rows=slice(0, 0))
+    return target.backend.guarantee(target)
+
+
 @dataclass
 class GenerateResult:
     token_ids: list[int]
@@ -78,6 +87,8 @@ class Engine:
                  source: str | None = None, drafter_source: str | None = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.dtype_reason = dtype_reason
+        # which exactness this deployment's forwards give ("bit-exact" or "near-ties") and why
+        self.exactness, self.exactness_reason = forward_guarantee(target)
         self.source = source  # the directory the target's weights came from
         self.drafter_source = drafter_source
         self._profile: CostProfile | None = None

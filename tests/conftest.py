@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from castspec.config import DrafterConfig  # noqa: E402
 from castspec.models.dflash import DFlashDrafter  # noqa: E402
 from castspec.models.load import build_target  # noqa: E402
+from castspec.serving.scheduler import Request  # noqa: E402
 
 # Tiny models: one thread is faster (no fork/join per op) and keeps the suite steady on a loaded machine.
 torch.set_num_threads(1)
@@ -134,3 +135,20 @@ def tiny_tokenizer(vocab: int = 24):
     fast.chat_template = ("{% for m in messages %}{{ '<user> ' if m['role'] == 'user' else '<assistant> ' }}"
                           "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
     return fast
+
+
+def serve_all(scheduler, reqs, arrivals):
+    """Submit request i before round arrivals[i]; run until everything finished. Returns outputs, reasons."""
+    outs = {i: [] for i in range(len(reqs))}
+    reasons = {}
+    pending = sorted(range(len(reqs)), key=lambda i: arrivals[i])
+    step = 0
+    while pending or scheduler.active or scheduler.queue_length:
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            prompt, cfg = reqs[i]
+            scheduler.submit(Request(prompt, cfg, outs[i].extend, lambda r, e, i=i: reasons.setdefault(i, (r, e))))
+        scheduler.step()
+        step += 1
+        assert step < 2000
+    return outs, reasons

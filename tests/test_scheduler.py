@@ -13,7 +13,7 @@ from castspec.decode import decode
 from castspec.serving.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from castspec.sequence import Sequence
 from castspec.tree import build_forest, build_tree
-from conftest import llama_config, make_hf, native, qwen3_config, random_drafter
+from conftest import llama_config, make_hf, native, qwen3_config, random_drafter, serve_all
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -37,23 +37,6 @@ def prompts(n, seed=0):
 def flat_profile(slope=0.0):
     packed = [1, 2, 4, 8, 16, 32, 64, 128]
     return CostProfile({}, packed, [0, 1024], [[10 + slope * n for n in packed]] * 2, [1.0, 1.0])
-
-
-def serve_all(scheduler, reqs, arrivals):
-    """Submit request i before round arrivals[i]; run until everything finished. Returns outputs, reasons."""
-    outs = {i: [] for i in range(len(reqs))}
-    reasons = {}
-    pending = sorted(range(len(reqs)), key=lambda i: arrivals[i])
-    step = 0
-    while pending or scheduler.active or scheduler.queue_length:
-        while pending and arrivals[pending[0]] <= step:
-            i = pending.pop(0)
-            prompt, cfg = reqs[i]
-            scheduler.submit(Request(prompt, cfg, outs[i].extend, lambda r, e, i=i: reasons.setdefault(i, (r, e))))
-        scheduler.step()
-        step += 1
-        assert step < 2000
-    return outs, reasons
 
 
 @pytest.mark.parametrize("policy", ["chain", "fixed", "uniform", "shared", "cost", "ar"])

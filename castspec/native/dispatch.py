@@ -19,7 +19,9 @@ import logging
 import torch
 import torch.nn as nn
 
-from .forward import NativeDraft, NativeStep
+from .. import env
+from . import build as native
+from .forward import NativeDraft, NativeStep, max_rows
 
 log = logging.getLogger("castspec")
 
@@ -98,6 +100,31 @@ class NativeSwitch(nn.Module):
     def checked(self) -> bool:
         """Whether the native code passed the comparison with the torch forward made when it was built."""
         return self._checked
+
+    def guarantee(self, model: nn.Module) -> tuple[str, str]:
+        """Which exactness a decoder's forwards give, and why: ("bit-exact", ...) when every forward runs the
+        native code, whose per-row arithmetic is independent of the other rows of a forward (so greedy tokens are a
+        function of the prompt alone, whatever the method, width, batch or prefill chunking), else ("near-ties",
+        ...): torch's kernels round a row differently with other rows beside it, so greedy tokens equal `ar`'s
+        except where two candidates' logits are within that rounding (rare in fp32, occasional in bf16).
+        Meaningful once the native code was looked up (after a forward)."""
+        torch_kernels = "torch's kernels, whose rounding of a row can depend on the other rows of its forward"
+        if self._code is not None:
+            limit = max_rows(model.dtype)
+            if limit is None:
+                return "bit-exact", "every forward runs castspec's native code, row-invariant by construction"
+            return "near-ties", (f"castspec's native code takes forwards of at most {limit} row(s) here "
+                                 f"(CASTSPEC_NATIVE={env.native_mode()}, CASTSPEC_NATIVE_ROWS); wider ones (trees, "
+                                 f"prompt chunks, batches) run on {torch_kernels}")
+        if model.device.type != "cpu":
+            why = f"on {model.device.type}"
+        elif env.native_mode() == "off":
+            why = "CASTSPEC_NATIVE=0"
+        elif native.library() is None:
+            why = "castspec's native code needs AVX-512 BF16 here (or CASTSPEC_NATIVE=portable)"
+        else:
+            why = "castspec's native code does not apply to this model (dtype, head size) or was turned off"
+        return "near-ties", f"{why}: {torch_kernels}"
 
     def use_torch(self) -> None:
         """Every later forward of this model runs through torch (a reference to compare the native one with)."""
