@@ -11,6 +11,7 @@ from castspec.cli.demo import ExactnessError, first_difference, run_demo
 from castspec.engine import Engine
 from castspec.models.load import save_drafter
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
+from native_support import native_library
 
 VOCAB = 24
 
@@ -27,9 +28,11 @@ class WrongCast(Engine):
         return r
 
 
-def tiny_engine(cls=Engine, dtype=torch.float32):
+def tiny_engine(cls=Engine, dtype=torch.float32, torch_kernels=False):
     hf = make_hf(llama_config(vocab=VOCAB, max_position_embeddings=256), seed=1)
     target = native(hf, dtype)
+    if torch_kernels:
+        target.backend.use_torch()
     return cls(target, tiny_tokenizer(VOCAB), random_drafter(target, block_size=8, seed=2), "test")
 
 
@@ -43,19 +46,32 @@ def test_exact_fp32_demo_reports_no_difference():
     out = StringIO()
     rows = run_demo(tiny_engine(), max_new_tokens=8, width=3, out=out)
     assert [r["method"] for r in rows] == ["ar", "cast"] * 3
-    assert "part at" not in out.getvalue() and "near-tie" not in out.getvalue()
+    assert "part at" not in out.getvalue()
+    assert out.getvalue().splitlines()[1].startswith("exactness: ")  # the header says which guarantee holds
 
 
 def test_fp32_difference_fails_loudly_with_the_position():
     out = StringIO()
     with pytest.raises(ExactnessError, match=r"part at output position 2 .* in fp32.*exactness bug"):
         run_demo(tiny_engine(WrongCast), max_new_tokens=8, width=3, out=out)
-    assert "near-tie" not in out.getvalue()
+    assert "may part at near-ties" not in out.getvalue()
 
 
-def test_bf16_difference_names_the_position_and_the_logit_gap():
+@pytest.fixture
+def lib(monkeypatch):
+    yield from native_library(monkeypatch)
+
+
+def test_bf16_difference_on_bit_exact_forwards_fails_loudly(lib):
+    engine = tiny_engine(WrongCast, torch.bfloat16)
+    assert engine.exactness == "bit-exact"
+    with pytest.raises(ExactnessError, match=r"part at output position 2 .* in bfloat16 on bit-exact.*bug"):
+        run_demo(engine, max_new_tokens=8, width=3, out=StringIO())
+
+
+def test_bf16_difference_on_torch_kernels_names_the_position_and_the_logit_gap():
     out = StringIO()
-    run_demo(tiny_engine(WrongCast, torch.bfloat16), max_new_tokens=8, width=3, out=out)
+    run_demo(tiny_engine(WrongCast, torch.bfloat16, torch_kernels=True), max_new_tokens=8, width=3, out=out)
     notes = [line for line in out.getvalue().splitlines() if "part at" in line]
     assert len(notes) == 3  # one per prompt, each naming the position and how near the tie was
     for line in notes:

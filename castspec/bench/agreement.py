@@ -15,8 +15,10 @@ import json
 import subprocess
 from pathlib import Path
 
+import torch
+
 from .. import env
-from ..engine import load
+from ..engine import DTYPES, load
 from .harness import NO_THINKING, builtin_prompts, file_prompts
 
 DOMAINS = ["code", "math", "chat"]
@@ -39,8 +41,15 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def continuations(target, dtype: str, device: str, prompts, max_new: int) -> list[list[int]]:
+def continuations(target, dtype: str, device: str, prompts, max_new: int,
+                  weights_in: torch.dtype | None = None) -> list[list[int]]:
+    """Greedy `ar` continuations; with `weights_in`, every weight is first rounded to that dtype (and kept in
+    `dtype`): the reference then runs the candidate's very weights in its own arithmetic."""
     engine = load(target=target, drafter=None, device=device, dtype=dtype)
+    if weights_in is not None:
+        with torch.no_grad():
+            for p in engine.target.parameters():
+                p.copy_(p.to(weights_in).to(p.dtype))  # in place: fused views and native pointers stay valid
     return [engine.generate(messages=p.messages, input_ids=p.input_ids, method="ar", max_new_tokens=max_new,
                             chat_template_kwargs=NO_THINKING).token_ids for p in prompts]
 
@@ -54,15 +63,21 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default=None, help="JSONL prompts file (castspec bench's format)")
     ap.add_argument("--dtypes", default="fp32,bf16", help="reference,candidate")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--same-weights", action="store_true",
+                    help="round the reference's weights to the candidate dtype first, so that only the arithmetic "
+                         "differs (a checkpoint whose weights are not exact in bf16, such as a dequantized GGUF, "
+                         "otherwise also measures rounding the weights)")
     args = ap.parse_args(argv)
     reference, candidate = args.dtypes.split(",")
     prompts = file_prompts(Path(args.prompts), args.n) if args.prompts else builtin_prompts(DOMAINS, args.n)
-    ref = continuations(args.target, reference, args.device, prompts, args.max_new_tokens)
+    weights_in = DTYPES[candidate] if args.same_weights else None
+    ref = continuations(args.target, reference, args.device, prompts, args.max_new_tokens, weights_in)
     got = continuations(args.target, candidate, args.device, prompts, args.max_new_tokens)
     rows = [{"domain": p.domain, "id": p.id, "tokens": len(b), "first_difference": first_difference(a, b)}
             for p, a, b in zip(prompts, ref, got)]
     identical = sum(r["first_difference"] is None for r in rows)
-    report = {"reference": reference, "dtype": candidate, "native_mode": env.native_mode(), "commit": git_commit(),
+    report = {"reference": reference, "reference_weights": candidate if args.same_weights else reference,
+              "dtype": candidate, "native_mode": env.native_mode(), "commit": git_commit(),
               "target": args.target, "max_new_tokens": args.max_new_tokens, "identical": identical,
               "prompts": len(rows), "per_prompt": rows}
     out = Path(args.out)

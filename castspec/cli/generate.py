@@ -28,6 +28,7 @@ def cmd_generate(args) -> int:
     if args.json:
         out = result.to_dict()
         out["dtype"] = engine.dtype_reason
+        out["exactness"] = {"guarantee": engine.exactness, "reason": engine.exactness_reason}
         print(json.dumps(out, indent=2))
     else:
         print(result.text)
