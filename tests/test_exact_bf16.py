@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
+import castspec
 from castspec.config import DecodeConfig
 from castspec.cost import CostProfile
 from castspec.decode import decode
@@ -106,3 +107,14 @@ def test_torch_kernels_are_reported_as_near_ties():
     target.backend.use_torch()
     engine = Engine(target, None, None)
     assert engine.exactness == "near-ties" and "torch" in engine.exactness_reason
+
+
+@pytest.mark.slow
+def test_default_target_bf16_chain_and_cast_equal_ar(lib):
+    """The shipped deployment in bf16 (SmolLM2-135M-Instruct, shipped drafter): a few real prompts, short."""
+    engine = castspec.load(dtype="bf16")
+    assert engine.exactness == "bit-exact", engine.exactness_reason
+    for prompt in ["def is_prime(n):", "Three facts about the Moon:"]:
+        ar = engine.generate(prompt=prompt, method="ar", max_new_tokens=12).token_ids
+        for method, width in [("chain", "auto"), ("cast", 15)]:
+            assert engine.generate(prompt=prompt, method=method, width=width, max_new_tokens=12).token_ids == ar
