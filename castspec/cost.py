@@ -2,7 +2,8 @@
 
 A profile holds measured round-time components on one deployment (device, dtype, target, drafter):
 target verify latency over packed counts n at a few prefix lengths, the drafter pass, and the host-side
-overhead h(N). The round time at width N is  l(N) = draft + h(N) + verify(n = N + 1).
+overhead h(N), with the machine's floor under each of them. The round time at width N is
+l(N) = draft + h(N) + verify(n = N + 1).
 With prefix masses rho_1 >= rho_2 >= ... (the best-first tree's node probabilities), the expected committed
 tokens per round is g(N) + 1 = 1 + sum_{i <= N} rho_i, and throughput is (g(N) + 1) / l(N).
 """
@@ -30,6 +31,11 @@ class CostProfile:
     host_ms: dict[str, float] = field(default_factory=dict)  # str(N) -> tree + pack + walk + gather
     # batched shapes (serving): str(B) -> {"packed": total packed tokens, "verify_ms": [...], "draft_ms": float}
     batch: dict[str, dict] = field(default_factory=dict)
+    # the physical floor under each measured time (castspec/floor.py), from rates measured in the probe's own run:
+    # read_gbps, gemm_gflops, verify_floor_ms [prefix][n], verify_ratio (measured / floor, same shape),
+    # draft_floor_ms and draft_ratio [prefix] (None without a drafter); batched entries carry theirs. None in
+    # profiles written before floors were measured.
+    floor: dict | None = None
 
     def verify_at(self, n: float, prefix: float) -> float:
         rows = [np.interp(n, self.packed, row) for row in self.verify_ms]

@@ -1,5 +1,7 @@
 """`castspec probe`: time the real verify path (packed forward with the tree mask and cache, as decoding runs it)
 over packed counts and prefix lengths, plus the drafter pass and host-side overhead h(N); write a CostProfile.
+Every measured shape gets its floor (castspec/floor.py) from the read and matmul rates measured in the same run,
+and the ratio measured / floor.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from tqdm import tqdm
 
 from .config import DecodeConfig
 from .cost import CostProfile, profile_key
+from .floor import Floors, draft_cost, verify_cost
 from .native import build as native
 from .native import forward as native_step
 from .native.linear import packing_available
@@ -23,6 +26,7 @@ from .verify import greedy_walk
 
 DEFAULT_PACKED = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 QUICK_PACKED = (1, 2, 4, 8, 16, 32, 64)
+DRAFT_KEEP = 3  # new context rows per timed drafter pass (a typical round's commit)
 
 
 def _median_ms(fn, reps: int, warmup: int, device) -> float:
@@ -81,7 +85,7 @@ def _verify_call(target, seqs: list[Sequence], tree) -> Callable[[], None]:
     return verify
 
 
-def _draft_call(target, drafter, seqs: list[Sequence], depth: int, keep: int = 3) -> Callable[[], None]:
+def _draft_call(target, drafter, seqs: list[Sequence], depth: int, keep: int = DRAFT_KEEP) -> Callable[[], None]:
     """One batched drafter pass as a typical round runs it: the context cache is filled once, then every call
     drafts after `keep` new committed positions (the rest of the context is already cached)."""
     states = [s.draft for s in seqs]
@@ -108,6 +112,7 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
     verify_ms, draft_ms = [], []
     bar = tqdm(total=len(prefix_lens) * (len(packed) + 1), desc="probe", disable=not progress)
     with torch.inference_mode():
+        floors = Floors.measure(device, target.dtype)
         for P in prefix_lens:
             prompt = torch.randint(0, V, (P,), generator=g).tolist()
             seq = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), max(packed))
@@ -133,17 +138,39 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
                 cache_seq.cache.compact(torch.arange(8, 8 + min(width, L) + 1, device=device), 8)
 
             host[str(width)] = _median_ms(host_work, reps, warmup, device)
+        floors = floors.best(Floors.measure(device, target.dtype))  # read again after the timings: the better
     bar.close()
-    return CostProfile(engine_key(engine), list(packed), list(prefix_lens), verify_ms, draft_ms, host)
+    profile = CostProfile(engine_key(engine), list(packed), list(prefix_lens), verify_ms, draft_ms, host)
+    profile.floor = _floor_fields(engine, floors, profile)
+    return profile
+
+
+def _floor_fields(engine, floors: Floors, profile: CostProfile) -> dict:
+    """The floor and measured / floor of every single-request shape in `profile` (CostProfile.floor)."""
+    target, drafter = engine.target, engine.drafter
+    verify_floor = [[verify_cost(target, n, P).floor_ms(floors) for n in profile.packed] for P in profile.prefix_lens]
+    draft_floor = [draft_cost(drafter, target, P, ctx_rows=DRAFT_KEEP).floor_ms(floors) if drafter else None
+                   for P in profile.prefix_lens]
+    return {"read_gbps": floors.read_gbps, "gemm_gflops": floors.gemm_gflops, "verify_floor_ms": verify_floor,
+            "verify_ratio": [_ratios(m, f) for m, f in zip(profile.verify_ms, verify_floor)],
+            "draft_floor_ms": draft_floor, "draft_ratio": _ratios(profile.draft_ms, draft_floor)}
+
+
+def _ratios(measured: list[float], floors: list[float | None]) -> list[float | None]:
+    """measured / floor per shape (None where there is no floor: no drafter pass)."""
+    return [None if f is None else m / f for m, f in zip(measured, floors)]
 
 
 def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_request=(1, 2, 4, 8, 16, 32),
                 prefix: int = 256, reps: int = 3, warmup: int = 1, top_k: int = 8, progress: bool = True,
                 seed: int = 0) -> CostProfile:
     """Add batched shapes to `profile`: one ragged verify forward of B requests (prefix `prefix` each) with n
-    packed tokens per request, l(B, B*n), and the batched drafter pass, as serving runs them."""
+    packed tokens per request, l(B, B*n), and the batched drafter pass, as serving runs them; each with its floor
+    at the rates `probe` measured (measured now for a profile without them)."""
     target, drafter = engine.target, engine.drafter
     device = target.device
+    floors = (Floors(profile.floor["read_gbps"], profile.floor["gemm_gflops"]) if profile.floor
+              else Floors.measure(device, target.dtype))
     V = target.cfg.vocab_size
     L, g, logprobs = _draft_shape(drafter, V, seed)
     bar = tqdm(total=len(batch_sizes) * (len(per_request) + 1), desc="probe (batched)", disable=not progress)
@@ -161,7 +188,13 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
                 bar.update(1)
             draft = _median_ms(_draft_call(target, drafter, seqs, L), reps, warmup, device) if drafter else 0.0
             bar.update(1)
-            profile.batch[str(B)] = {"packed": totals, "verify_ms": times, "draft_ms": draft, "prefix": prefix}
+            verify_floor = [verify_cost(target, n, prefix, B).floor_ms(floors) for n in per_request]
+            draft_floor = draft_cost(drafter, target, prefix, B, DRAFT_KEEP).floor_ms(floors) if drafter else None
+            profile.batch[str(B)] = {
+                "packed": totals, "verify_ms": times, "draft_ms": draft, "prefix": prefix,
+                "read_gbps": floors.read_gbps, "gemm_gflops": floors.gemm_gflops,
+                "verify_floor_ms": verify_floor, "verify_ratio": _ratios(times, verify_floor),
+                "draft_floor_ms": draft_floor, "draft_ratio": _ratios([draft], [draft_floor])[0]}
     bar.close()
     return profile
 
@@ -173,11 +206,14 @@ def plot_profile(profile: CostProfile, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for P, row in zip(profile.prefix_lens, profile.verify_ms):
-        ax.plot(profile.packed, row, marker="o", label=f"verify, prefix {P}")
+    floor_rows = profile.floor["verify_floor_ms"] if profile.floor else [None] * len(profile.prefix_lens)
+    for P, row, floor in zip(profile.prefix_lens, profile.verify_ms, floor_rows):
+        (line,) = ax.plot(profile.packed, row, marker="o", label=f"verify, prefix {P}")
+        if floor is not None:  # the machine's limit for the same shapes, in the same colour
+            ax.plot(profile.packed, floor, linestyle="--", color=line.get_color(), label=f"floor, prefix {P}")
     ax.plot(profile.packed, [profile.host_at(n - 1) for n in profile.packed], marker="x", label="host h(N)")
     for B, entry in sorted(profile.batch.items(), key=lambda kv: int(kv[0])):
-        ax.plot(entry["packed"], entry["verify_ms"], marker=".", linestyle="--", label=f"verify, batch {B} (total)")
+        ax.plot(entry["packed"], entry["verify_ms"], marker=".", linestyle=":", label=f"verify, batch {B} (total)")
     ax.set_xlabel("packed tokens n = N + 1")
     ax.set_ylabel("ms")
     ax.set_title(f"{profile.key['device']} {profile.key['dtype']}")

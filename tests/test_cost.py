@@ -1,4 +1,6 @@
 """Width rules on synthetic cost tables and mass curves with known answers; the probe; width="auto"."""
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,7 +11,9 @@ from castspec.config import DecodeConfig
 from castspec.cost import Calibration, CostProfile, RoundWidth, throughput, width_affine, width_table
 from castspec.decode import DecodeStats, decode
 from castspec.engine import Engine
-from castspec.probe import probe, probe_batch
+from castspec.cli.probe import floor_table
+from castspec.floor import Floors, draft_cost, verify_cost
+from castspec.probe import DRAFT_KEEP, plot_profile, probe, probe_batch
 from conftest import llama_config, make_hf, native, random_drafter
 
 PACKED = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -86,9 +90,19 @@ def test_round_rule_pays_a_cost_step_for_the_whole_tree():
 
 def test_profile_round_trip(tmp_path):
     prof = profile_from(lambda n: 1.0 + n)
+    prof.floor = {"read_gbps": 30.0, "gemm_gflops": 400.0, "verify_floor_ms": [[1.0] * len(PACKED)],
+                  "verify_ratio": [[2.0 + n for n in PACKED]], "draft_floor_ms": [0.5], "draft_ratio": [4.0]}
     prof.save(tmp_path / "p.json")
     again = CostProfile.load(tmp_path / "p.json")
     assert again == prof and again.round_ms(15, 100) == prof.round_ms(15, 100)
+
+
+def test_a_profile_written_before_floors_still_loads(tmp_path):
+    old = {"key": {"device": "test"}, "packed": [1, 8], "prefix_lens": [100], "verify_ms": [[10.0, 12.0]],
+           "draft_ms": [2.0], "host_ms": {"0": 0.1, "7": 0.3}, "batch": {}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    prof = CostProfile.load(tmp_path / "old.json")
+    assert prof.floor is None and prof.round_ms(7, 100) == pytest.approx(2.0 + 0.3 + 12.0)
 
 
 def test_calibration_learns_observed_acceptance():
@@ -110,16 +124,34 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     prof = probe(engine, packed=(1, 2, 4, 8, 16), prefix_lens=(8, 32), reps=2, warmup=1, progress=False)
     assert len(prof.verify_ms) == 2 and len(prof.verify_ms[0]) == 5 and all(v > 0 for v in prof.verify_ms[0])
     assert set(prof.host_ms) == {"0", "1", "3", "7", "15"} and prof.draft_ms[0] > 0
+    # every shape's floor, at rates measured in the same run, and measured / floor
+    fl = prof.floor
+    assert fl["read_gbps"] > 0 and fl["gemm_gflops"] > 0
+    floors = Floors(fl["read_gbps"], fl["gemm_gflops"])
+    for i, P in enumerate(prof.prefix_lens):
+        assert fl["verify_floor_ms"][i] == [verify_cost(target, n, P).floor_ms(floors) for n in prof.packed]
+        pairs = zip(prof.verify_ms[i], fl["verify_floor_ms"][i])
+        assert fl["verify_ratio"][i] == pytest.approx([m / f for m, f in pairs])
+        assert fl["draft_floor_ms"][i] == draft_cost(drafter, target, P, ctx_rows=DRAFT_KEEP).floor_ms(floors) > 0
+        assert fl["draft_ratio"][i] == pytest.approx(prof.draft_ms[i] / fl["draft_floor_ms"][i])
+    assert all(f > 0 for row in fl["verify_floor_ms"] for f in row)
     probe_batch(engine, prof, batch_sizes=(2, 3), per_request=(1, 4), prefix=8, reps=1, warmup=0, progress=False)
     assert prof.batch["3"]["packed"] == [3, 12] and all(v > 0 for v in prof.batch["3"]["verify_ms"])
     assert prof.batch["2"]["draft_ms"] > 0
+    entry = prof.batch["3"]
+    assert entry["verify_floor_ms"] == [verify_cost(target, n, 8, 3).floor_ms(floors) for n in (1, 4)]
+    assert entry["verify_ratio"] == pytest.approx([m / f for m, f in zip(entry["verify_ms"], entry["verify_floor_ms"])])
+    assert entry["draft_ratio"] == pytest.approx(entry["draft_ms"] / entry["draft_floor_ms"])
+    assert "batch 3 verify 12" in floor_table(prof)
+    plot_profile(prof, tmp_path / "p.png")  # draws the floors too
+    assert (tmp_path / "p.png").stat().st_size > 0
     # batched costs interpolate between probed batch sizes; B = 1 is the single-request curve
     mid = prof.batch_verify_at(2.5, 6, 8)
     assert min(prof.batch_verify_at(2, 6, 8), prof.batch_verify_at(3, 6, 8)) <= mid
     assert mid <= max(prof.batch_verify_at(2, 6, 8), prof.batch_verify_at(3, 6, 8))
     assert prof.batch_verify_at(1, 4, 8) == prof.verify_at(4, 8)
     prof.save(tmp_path / "p.json")
-    assert CostProfile.load(tmp_path / "p.json").batch == prof.batch
+    assert CostProfile.load(tmp_path / "p.json") == prof  # floors included
     # with a flat made-up cost the rule wants everything, but K=2, L=3 leaves only 14 strings
     flat = profile_from(lambda n: 1.0)
     engine.set_cost_profile(flat)

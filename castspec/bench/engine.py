@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..engine import load
+from ..floor import read_gbps
 from ..models.load import resolve_target_dir, rope_parameters_of
 from ..native import build as native
 from ..native.linear import WeightPack, compiled_rowdot, packed_linear, packing_available
@@ -31,21 +32,6 @@ from ..train.trainer import TrainConfig, drafter_config_for, init_drafter
 PROMPTS = ["Write a Python function that merges two sorted lists.",
            "Explain how vaccines train the immune system.",
            "List three tips for writing clear emails."]
-
-
-def bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
-    """Read bandwidth of a large tensor reduction, the best of `repeats` (a floor is a best case, and noise on a
-    shared machine only ever takes bandwidth away): the floor of a decode step is weight bytes / this."""
-    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32, device=device)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        t = time.perf_counter()
-        x.sum()
-        synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
 
 
 def floor_ms(weight_bytes: int, gbps: float) -> float:
@@ -155,15 +141,15 @@ def main(argv=None) -> int:
             # the rate read just before and just after it, `--repeats` times
             runs = []
             for _ in range(args.repeats):
-                bw_before = bandwidth_gbps(device, repeats=5)
+                bw_before = read_gbps(device, repeats=5)
                 ours, step = ours_ms_per_token(engine, ids, args.tokens)
-                floor = floor_ms(weight_bytes, (bw_before + bandwidth_gbps(device, repeats=5)) / 2)
+                floor = floor_ms(weight_bytes, (bw_before + read_gbps(device, repeats=5)) / 2)
                 runs.append((step / floor, ours, step, floor))
             ratio, ours, step, floor = sorted(runs)[len(runs) // 2]  # the median run
             rows.append({"hf": hf_ms, "ours": ours, "ours_decode_step": step, "bandwidth_floor_ms": floor,
                          "ratio_to_floor": ratio, "ratios_of_repeats": [r[0] for r in runs]})
         gemv = gemv_ms(engine.target)
-        gemv_floor = floor_ms(weight_bytes, bandwidth_gbps(device, repeats=5))
+        gemv_floor = floor_ms(weight_bytes, read_gbps(device, repeats=5))
         hf_ms, ours, step, floor = (mean(r[k] for r in rows) for k in
                                     ("hf", "ours", "ours_decode_step", "bandwidth_floor_ms"))
         ratio = median(r["ratio_to_floor"] for r in rows)  # a run that met a burst of bandwidth is an outlier

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from ..cost import profile_path
+from ..cost import CostProfile, profile_path
 from ..env import cache_dir
 from ..probe import engine_key, plot_profile, probe, probe_batch
 from .common import UserError, add_model_args, load_engine
@@ -32,9 +33,34 @@ def cmd_probe(args) -> int:
         profile.save(Path(args.out))
     if args.plot:
         plot_profile(profile, args.plot)
+    print(floor_table(profile), file=sys.stderr)  # for the eye; stdout stays one JSON document
     print(json.dumps({"profile": str(stored), "packed": profile.packed, "verify_ms": profile.verify_ms,
-                      "draft_ms": profile.draft_ms, "host_ms": profile.host_ms, "batch": profile.batch}, indent=2))
+                      "draft_ms": profile.draft_ms, "host_ms": profile.host_ms, "batch": profile.batch,
+                      "floor": profile.floor}, indent=2))
     return 0
+
+
+def floor_table(profile: CostProfile) -> str:
+    """Measured time, floor and their ratio for every shape: one block per prefix (and per batch size)."""
+    f = profile.floor
+    lines = [f"floor = max(bytes / {f['read_gbps']:.1f} GB/s, FLOPs / {f['gemm_gflops']:.0f} GFLOP/s), "
+             "both measured in this run", f"{'shape':>22} {'measured ms':>12} {'floor ms':>9} {'ratio':>6}"]
+
+    def row(shape: str, measured: float, floor: float | None, ratio: float | None) -> None:
+        if floor is not None:  # None: no drafter pass
+            lines.append(f"{shape:>22} {measured:12.2f} {floor:9.2f} {ratio:6.2f}")
+
+    for i, P in enumerate(profile.prefix_lens):
+        for n, ms, floor, ratio in zip(profile.packed, profile.verify_ms[i], f["verify_floor_ms"][i],
+                                       f["verify_ratio"][i]):
+            row(f"prefix {P} verify {n}", ms, floor, ratio)
+        row(f"prefix {P} draft", profile.draft_ms[i], f["draft_floor_ms"][i], f["draft_ratio"][i])
+    for B, entry in sorted(profile.batch.items(), key=lambda kv: int(kv[0])):
+        for n, ms, floor, ratio in zip(entry["packed"], entry["verify_ms"], entry["verify_floor_ms"],
+                                       entry["verify_ratio"]):
+            row(f"batch {B} verify {n}", ms, floor, ratio)
+        row(f"batch {B} draft", entry["draft_ms"], entry["draft_floor_ms"], entry["draft_ratio"])
+    return "\n".join(lines)
 
 
 def register(sub) -> None:
