@@ -119,11 +119,18 @@ def test_agreement_end_to_end(bench_dirs, tmp_path, capsys):
     assert agreement.first_difference([1, 2], [1, 2, 3]) == 2  # one stopped early
     common = ["--target", str(bench_dirs / "target"), "--prompts", str(bench_dirs / "prompts.jsonl"),
               "--max-new-tokens", "12"]
-    for dtypes in ("fp32,fp32", "fp32,bf16"):
-        out = tmp_path / f"{dtypes}.json"
-        assert agreement.main([*common, "--dtypes", dtypes, "--out", str(out)]) == 0
+    for i, (dtypes, extra) in enumerate([("fp32,fp32", []), ("fp32,bf16", []), ("fp32,bf16", ["--same-weights"])]):
+        out = tmp_path / f"{i}.json"
+        assert agreement.main([*common, "--dtypes", dtypes, *extra, "--out", str(out)]) == 0
         report = json.loads(out.read_text())
         rows = report["per_prompt"]
+        assert report["reference_weights"] == ("bf16" if extra else "fp32")
+        for r in rows:  # the reference's top-two gap where the two part, and its nearest tie anywhere
+            assert r["reference_min_gap"] >= 0
+            if r["first_difference"] is None:
+                assert r["reference_gap_there"] is None
+            elif r["reference_gap_there"] is not None:
+                assert r["reference_gap_there"] >= r["reference_min_gap"]
         assert [r["domain"] for r in rows] == ["a", "b"] and report["prompts"] == 2
         assert report["dtype"] == dtypes.split(",")[1] and report["native_mode"] in ("off", "on", "emulate", "portable")
         assert report["identical"] == sum(r["first_difference"] is None for r in rows)

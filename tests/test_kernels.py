@@ -174,3 +174,18 @@ def test_struct_size_mismatch_disables_the_library(lib, monkeypatch, tmp_path, c
     with caplog.at_level(logging.WARNING, logger="castspec"):
         assert native.library() is None
     assert len(builds) == 1 and "Segment: C" in caplog.text and "using torch's" in caplog.text
+
+
+def test_row_kernel_keeps_fp32_sums_for_fp32_activations(lib):
+    """fp32 activations times bf16 weights through castspec's row kernel: the input rounded to bf16, the fp32 sums
+    kept (not rounded to bf16 as a bf16 product's output would be)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    for rows in (1, 5):
+        x = torch.randn(rows, 96, generator=g)
+        exact = x.bfloat16().double() @ w.double().T
+        with torch.inference_mode():
+            out = linear(x, w, None, WeightPack())
+        assert out.dtype == torch.float32
+        assert ((out.double() - exact).abs() <= 1e-5 * exact.abs().max()).all()
+        assert not torch.equal(out, out.bfloat16().float())  # fp32 sums, not rounded ones

@@ -41,17 +41,24 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def top_two_gaps(result) -> list[float | None]:
+    """Per output position, the gap between the two best log-probabilities (= the logits' gap): how near a tie
+    the greedy choice was."""
+    return [x.top[0][1] - x.top[1][1] if len(x.top) > 1 else None for x in result.logprobs]
+
+
 def continuations(target, dtype: str, device: str, prompts, max_new: int,
-                  weights_in: torch.dtype | None = None) -> list[list[int]]:
-    """Greedy `ar` continuations; with `weights_in`, every weight is first rounded to that dtype (and kept in
-    `dtype`): the reference then runs the candidate's very weights in its own arithmetic."""
+                  weights_in: torch.dtype | None = None) -> list:
+    """Greedy `ar` results (with the top two log-probabilities per position); with `weights_in`, every weight is
+    first rounded to that dtype (and kept in `dtype`): the reference then runs the candidate's very weights in
+    its own arithmetic."""
     engine = load(target=target, drafter=None, device=device, dtype=dtype)
     if weights_in is not None:
         with torch.no_grad():
             for p in engine.target.parameters():
                 p.copy_(p.to(weights_in).to(p.dtype))  # in place: fused views and native pointers stay valid
     return [engine.generate(messages=p.messages, input_ids=p.input_ids, method="ar", max_new_tokens=max_new,
-                            chat_template_kwargs=NO_THINKING).token_ids for p in prompts]
+                            chat_template_kwargs=NO_THINKING, logprobs=2) for p in prompts]
 
 
 def main(argv=None) -> int:
@@ -73,8 +80,13 @@ def main(argv=None) -> int:
     weights_in = DTYPES[candidate] if args.same_weights else None
     ref = continuations(args.target, reference, args.device, prompts, args.max_new_tokens, weights_in)
     got = continuations(args.target, candidate, args.device, prompts, args.max_new_tokens)
-    rows = [{"domain": p.domain, "id": p.id, "tokens": len(b), "first_difference": first_difference(a, b)}
-            for p, a, b in zip(prompts, ref, got)]
+    rows = []
+    for p, a, b in zip(prompts, ref, got):
+        at, gaps = first_difference(a.token_ids, b.token_ids), top_two_gaps(a)
+        # how near a tie the reference's choice was where the two part
+        rows.append({"domain": p.domain, "id": p.id, "tokens": len(b.token_ids), "first_difference": at,
+                     "reference_gap_there": gaps[at] if at is not None and at < len(gaps) else None,
+                     "reference_min_gap": min((g for g in gaps if g is not None), default=None)})
     identical = sum(r["first_difference"] is None for r in rows)
     report = {"reference": reference, "reference_weights": candidate if args.same_weights else reference,
               "dtype": candidate, "native_mode": env.native_mode(), "commit": git_commit(),

@@ -176,17 +176,19 @@ def library():
     return lib
 
 
-def _call(lib, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _call(lib, x2: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The product in x2's dtype, or with `out_dtype` fp32 for bf16 inputs, their fp32 sums unrounded."""
     M, I = x2.shape
-    out = torch.empty(M, w.shape[0], dtype=x2.dtype)
-    getattr(lib, _ENTRY[x2.dtype])(w.data_ptr(), x2.data_ptr(), out.data_ptr(), M, w.shape[0], I, x2.stride(0),
-                                   out.stride(0))
+    wide = x2.dtype == torch.bfloat16 and out_dtype == torch.float32
+    out = torch.empty(M, w.shape[0], dtype=torch.float32 if wide else x2.dtype)
+    entry = "skinny_bf16_f32" if wide else _ENTRY[x2.dtype]
+    getattr(lib, entry)(w.data_ptr(), x2.data_ptr(), out.data_ptr(), M, w.shape[0], I, x2.stride(0), out.stride(0))
     return out
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """x [..., I] @ weight[O, I]^T for at most MAX_ROWS[dtype] rows on CPU, or None when the kernels do not
-    apply."""
+    apply; in x's dtype, or fp32 sums for bf16 inputs with out_dtype=torch.float32."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in _ENTRY or not weight.is_contiguous():
         return None
     rows = x.numel() // max(x.shape[-1], 1)
@@ -196,4 +198,4 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if lib is None:
         return None
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    return _call(lib, x2, weight).view(*x.shape[:-1], weight.shape[0])
+    return _call(lib, x2, weight, out_dtype).view(*x.shape[:-1], weight.shape[0])

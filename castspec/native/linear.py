@@ -101,23 +101,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     x may be in any float dtype: it is rounded to weight's dtype as it enters the product (fp32 activations
     times bf16 weights: bf16 inputs), and a bias is then added in x's dtype. The compiled single-row reduction
-    returns its fp32 sums unrounded; the row kernel (native/build.py), oneDNN's packed path and F.linear return
-    bf16 for bf16 inputs, converted to x's dtype after. So this torch fallback rounds a bf16 product's output
-    where the native forwards (native/forward.py), which keep the fp32 sums, do not."""
+    and castspec's row kernel (native/build.py) return their fp32 sums unrounded; oneDNN's packed path and
+    F.linear return bf16 for bf16 inputs, converted to x's dtype after. So this torch fallback rounds the output
+    of a bf16 product of several rows where castspec's kernels are unavailable, and the native forwards
+    (native/forward.py), which keep the fp32 sums, never do."""
     if x.dtype == weight.dtype:
         out = _product(x, weight, bias, pack)
         return out if out.dtype == x.dtype else out.to(x.dtype)
-    out = _product(x.to(weight.dtype), weight, None, pack).to(x.dtype)
+    out = _product(x.to(weight.dtype), weight, None, pack, out_dtype=x.dtype).to(x.dtype)
     return out if bias is None else out + bias
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             pack: WeightPack | None) -> torch.Tensor:
+             pack: WeightPack | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) for x in weight's dtype: in that dtype, or fp32 sums (the compiled reduction,
-    without a bias)."""
+    without a bias; castspec's row kernel when `out_dtype` is fp32)."""
     if torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    out = skinny_linear(x, weight)  # a few rows on AVX-512 CPUs (native/build.py)
+    out = skinny_linear(x, weight, out_dtype)  # a few rows on AVX-512 CPUs (native/build.py)
     if out is not None:
         return out if bias is None else out + bias
     out = packed_linear(x, weight, bias, pack) if pack is not None else None
