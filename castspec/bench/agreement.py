@@ -1,12 +1,14 @@
 """Greedy agreement of one dtype with another (issue 16 part 6): how far a bf16 continuation follows fp32's.
 
     python -m castspec.bench.agreement --n 4 --max-new-tokens 96 --out runs/agreement.json
-        [--target HF_DIR|GGUF] [--prompts FILE.jsonl] [--dtypes fp32,bf16] [--device cpu]
+        [--target HF_DIR|GGUF] [--prompts FILE.jsonl] [--dtypes fp32,bf16] [--device cpu] [--same-weights]
 
 Runs greedy `ar` on the first n prompts of each domain (code, math, chat: what `castspec bench` runs, or a
 prompts file in its format) with the target loaded in each of the two dtypes, and writes per prompt the first
 position where the second dtype's continuation differs from the first's (null when identical), the count of
-identical continuations, the dtypes, the native mode (CASTSPEC_NATIVE) and the git commit.
+identical continuations, the reference's top-two logit gap there (how near a tie its choice was) and its nearest
+tie anywhere, the dtypes, the native mode (CASTSPEC_NATIVE) and the git commit. `--same-weights` rounds the
+reference's weights to the candidate's dtype first, so that only the arithmetic differs.
 """
 from __future__ import annotations
 
