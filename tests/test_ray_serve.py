@@ -75,7 +75,11 @@ def serve_ray(models, args: list[str], env: dict | None = None):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
                                 env={**os.environ, **(env or {})})
         try:
-            line = proc.stdout.readline()  # the command prints its URL once the application is up
+            # the command prints its URL as a JSON line once the application is up; Ray may print its own log
+            # lines to the same stdout before it (a slow, loaded machine makes its controller retry, say)
+            line = proc.stdout.readline()
+            while line and not line.startswith("{"):
+                line = proc.stdout.readline()
             assert line, f"serve-ray exited: {log_path.read_text()[-3000:]}"
             url = json.loads(line)["url"]
             assert url == f"http://127.0.0.1:{port}"
