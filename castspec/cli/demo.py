@@ -18,7 +18,7 @@ def run_demo(engine, max_new_tokens: int = 96, width="auto", out=None) -> list[d
     out = out or sys.stdout  # looked up per call: a default bound at import would miss a redirected stdout
     methods = ["ar", "cast"] if engine.drafter is not None else ["ar"]
     print(f"castspec demo: target in {engine.dtype_reason}; methods {', '.join(methods)}", file=out)
-    print(f"exactness: {engine.exactness} ({engine.exactness_reason})", file=out)
+    print(f"exactness: {engine.exactness}: {engine.exactness_reason}", file=out)
     if engine.drafter is None:
         print("(no drafter is installed for this target, so only `ar` runs; pass --drafter DIR to compare)",
               file=out)

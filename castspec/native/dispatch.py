@@ -108,23 +108,23 @@ class NativeSwitch(nn.Module):
         ...): torch's kernels round a row differently with other rows beside it, so greedy tokens equal `ar`'s
         except where two candidates' logits are within that rounding (rare in fp32, occasional in bf16).
         Meaningful once the native code was looked up (after a forward)."""
-        torch_kernels = "torch's kernels, whose rounding of a row can depend on the other rows of its forward"
+        rounding = "whose rounding of a row can depend on the other rows of its forward"
         if self._code is not None:
             limit = max_rows(model.dtype)
             if limit is None:
                 return "bit-exact", "every forward runs castspec's native code, row-invariant by construction"
             return "near-ties", (f"castspec's native code takes forwards of at most {limit} row(s) here "
                                  f"(CASTSPEC_NATIVE={env.native_mode()}, CASTSPEC_NATIVE_ROWS); wider ones (trees, "
-                                 f"prompt chunks, batches) run on {torch_kernels}")
+                                 f"prompt chunks, batches) run on torch's kernels, {rounding}")
         if model.device.type != "cpu":
             why = f"on {model.device.type}"
         elif env.native_mode() == "off":
             why = "CASTSPEC_NATIVE=0"
         elif native.library() is None:
-            why = "castspec's native code needs AVX-512 BF16 here (or CASTSPEC_NATIVE=portable)"
+            why = "no AVX-512 BF16 here for castspec's native code; CASTSPEC_NATIVE=portable runs single rows in it"
         else:
             why = "castspec's native code does not apply to this model (dtype, head size) or was turned off"
-        return "near-ties", f"{why}: {torch_kernels}"
+        return "near-ties", f"torch's kernels ({why}), {rounding}"
 
     def use_torch(self) -> None:
         """Every later forward of this model runs through torch (a reference to compare the native one with)."""
