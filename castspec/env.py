@@ -7,6 +7,7 @@ Every switch is read when asked for (tests and callers may change the environmen
                         CPU's own vector instructions, single-row forwards only (an opt-in for CPUs without
                         AVX-512); anything else: native code where the CPU has it
   CASTSPEC_NATIVE_ROWS  the most rows a whole native forward takes (0: torch only); default per dtype
+  CASTSPEC_AMX          0: the native bf16 products use AVX-512 only, also where the CPU has AMX
   CASTSPEC_PACK         0: no oneDNN weight packing (castspec/native/linear.py)
   CASTSPEC_COMPILE      0: no inductor-compiled single-row product (castspec/native/linear.py)
 """
@@ -30,6 +31,10 @@ def native_rows() -> int | None:
     """CASTSPEC_NATIVE_ROWS as an integer, None when unset."""
     value = os.environ.get("CASTSPEC_NATIVE_ROWS")
     return int(value) if value else None
+
+
+def amx_enabled() -> bool:
+    return os.environ.get("CASTSPEC_AMX", "1") != "0"
 
 
 def packing_enabled() -> bool:

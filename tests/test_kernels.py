@@ -13,6 +13,7 @@ from castspec import env
 from castspec.native import abi
 from castspec.native import build as native
 from castspec.native.linear import WeightPack, linear, packing_available
+from castspec.native.pack import pack_panels, packable
 from native_support import mode as native_mode
 from native_support import native_library
 
@@ -75,6 +76,60 @@ def test_native_kernels_match_torch(lib, dtype, inner):
     with torch.inference_mode():
         assert torch.equal(linear(x[:1], w, None, WeightPack()), out[:1])
     assert native.skinny_linear(torch.randn(native.MAX_ROWS[dtype] + 1, inner).to(dtype), w) is None
+
+
+def _gemm(lib, packed, x, outputs):
+    """gemm.c's product of rows x by a weight packed by native/pack.py (fp32 sums), the rows padded with zeros to
+    a multiple of 16 as layer.h does."""
+    rows = x.shape[0]
+    padded = torch.zeros(-(-rows // 16) * 16, x.shape[1], dtype=x.dtype)
+    padded[:rows] = x
+    out = torch.full((rows, outputs + 3), float("nan"))  # 3 spare columns: nothing is written past O
+    entry = lib.gemm_bf16_f32 if x.dtype == torch.bfloat16 else lib.gemm_f32
+    entry(packed.data_ptr(), padded.data_ptr(), out.data_ptr(), rows, outputs, x.shape[1], padded.stride(0),
+          out.stride(0))
+    return out
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def tiles(request, lib):
+    """Which tiles gemm.c's bf16 products run on: AVX-512, or AMX where this CPU and build have it (the library
+    is switched for the test and switched back after)."""
+    amx = native.amx_wanted(native_mode() == "1" and "on" or "")
+    if request.param == "amx" and not (amx and lib.gemm_use_amx(1)):
+        pytest.skip("no AMX BF16 on this CPU (or not in this build)")
+    lib.gemm_use_amx(int(request.param == "amx"))
+    yield request.param
+    lib.gemm_use_amx(int(amx))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("outputs,inner", [(37, 24), (200, 82), (48, 576), (100, 64)])  # partial/whole panels
+def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, outputs, inner):
+    """gemm.c, the whole native forwards' products: the fp32 sums of the rows (bf16 products are exact in fp32,
+    so only the summation order differs from torch's) for every row count through several tiles, blocks and
+    threads; a row's bits the same alone, in any group and at any place; columns past O left alone. On AVX-512
+    tiles and, where the CPU has them, AMX tiles (inner widths that are multiples of 32)."""
+    g = torch.Generator().manual_seed(outputs)
+    w = torch.randn(outputs, inner, generator=g).to(dtype)
+    x = torch.randn(70, inner, generator=g).to(dtype)
+    packed = pack_panels(w)
+    out = _gemm(lib, packed, x, outputs)
+    assert out[:, outputs:].isnan().all()
+    torch.testing.assert_close(out[:, :outputs], x.double() @ w.double().T, rtol=1e-5, atol=1e-4,
+                               check_dtype=False)
+    for first, rows in [(0, 1), (5, 1), (3, 2), (9, 7), (1, 13), (40, 30), (0, 64)]:
+        part = _gemm(lib, packed, x[first:first + rows].contiguous(), outputs)
+        assert torch.equal(part[:, :outputs], out[first:first + rows, :outputs]), (first, rows)
+    # the packed layout keeps whole panels of rows in place: draft.c multiplies by a slice of them
+    tail = _gemm(lib, pack_panels(w[16:]), x[:3].contiguous(), outputs - 16)[:, :outputs - 16]
+    assert torch.equal(_gemm(lib, packed[1:], x[:3].contiguous(), outputs - 16)[:, :outputs - 16], tail)
+
+
+def test_packing_refuses_what_gemm_cannot_multiply():
+    assert not packable(torch.ones(4, 5, dtype=torch.bfloat16)) and packable(torch.ones(4, 5))
+    with pytest.raises(ValueError, match="cannot pack"):
+        pack_panels(torch.ones(4, 5, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("inner", [24, 83, 576])

@@ -46,6 +46,10 @@ SIGNATURES = {  # name: (argument types, result type)
     "skinny_bf16": ([_P] * 3 + [_I] * 5, None),
     "skinny_bf16_f32": ([_P] * 3 + [_I] * 5, None),
     "skinny_f32": ([_P] * 3 + [_I] * 5, None),
+    "gemm_bf16_f32": ([_P] * 3 + [_I] * 5, None),
+    "gemm_f32": ([_P] * 3 + [_I] * 5, None),
+    "gemm_use_amx": ([_I], _I),
+    "gemm_amx_on": ([], _I),
     "forward_rows": ([_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P], _I),
     "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P], _I),
 }

@@ -49,6 +49,7 @@ MODE_FLAGS = {"on": ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf
               "emulate": ("-O2", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}"),
               "portable": ("-O3", "-march=native", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}")}
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+AMX_FLAGS = ("amx_tile", "amx_bf16")
 # The most rows castspec's products take for the torch forward (native/linear.py); above it oneDNN's blocked
 # GEMM was faster where this was tuned (docs/performance.md). Whole native forwards (native/forward.py) use the
 # kernels at any count.
@@ -65,12 +66,21 @@ def row_limit(tuned: int | None) -> int | None:
     return PORTABLE_ROWS if tuned is None else min(tuned, PORTABLE_ROWS)
 
 
-def cpu_supported() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:  # not Linux
-        return False
-    return all(f in flags for f in CPU_FLAGS)
+        return set()
+
+
+def cpu_supported() -> bool:
+    return all(f in _cpu_flags() for f in CPU_FLAGS)
+
+
+def amx_wanted(mode: str) -> bool:
+    """Whether the bf16 products should use AMX tiles (csrc/gemm.c): the real build on a CPU with AMX BF16, unless
+    CASTSPEC_AMX=0. The library still asks Linux for the tile state and keeps AVX-512 where it is refused."""
+    return mode == "on" and env.amx_enabled() and all(f in _cpu_flags() for f in AMX_FLAGS)
 
 
 def emulation_available() -> bool:
@@ -173,6 +183,8 @@ def library():
     if isinstance(lib, str):
         log.warning("castspec: native kernels unusable: %s; using torch's", lib)
         return None
+    # for the whole process: a row's bits differ between AMX and AVX-512 products
+    lib.gemm_use_amx(int(amx_wanted(mode)))
     return lib
 
 

@@ -27,6 +27,7 @@ import torch
 from .. import env
 from . import build as native
 from .abi import LAYER_FIELDS, DraftModel, DraftSegment, Layer, Segment, StepModel
+from .pack import pack_panels, packable
 
 # the rows of each synthetic forward of a self-test (fewer where the row limit is lower)
 SELFTEST_ROWS = 4
@@ -45,26 +46,35 @@ class _Kept:
         return t.data_ptr()
 
 
+def _packed(keep: _Kept, w: torch.Tensor) -> int:
+    """The address of a weight matrix packed for csrc/gemm.c (the packed copy kept alive)."""
+    return keep(pack_panels(w))
+
+
 def _layer_array(layers, keep: _Kept):
-    """layer.h's Layer structs for decoder or drafter layers (both have the HF layer's submodules)."""
+    """layer.h's Layer structs for decoder or drafter layers (both have the HF layer's submodules), with the
+    matrices packed."""
     out = (Layer * len(layers))()
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         qkv_w, qkv_b = attn.qkv()
-        values = (layer.input_layernorm.weight, qkv_w, qkv_b, attn.o_proj.weight, attn.o_proj.bias,
-                  None if attn.q_norm is None else attn.q_norm.weight,
-                  None if attn.k_norm is None else attn.k_norm.weight, layer.post_attention_layernorm.weight,
-                  mlp.gate_up_weight, mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias)
-        for name, t in zip(LAYER_FIELDS, values):
-            setattr(out[i], name, keep(t))
+        values = (keep(layer.input_layernorm.weight), _packed(keep, qkv_w), keep(qkv_b),
+                  _packed(keep, attn.o_proj.weight), keep(attn.o_proj.bias),
+                  keep(None if attn.q_norm is None else attn.q_norm.weight),
+                  keep(None if attn.k_norm is None else attn.k_norm.weight),
+                  keep(layer.post_attention_layernorm.weight), _packed(keep, mlp.gate_up_weight),
+                  keep(mlp.gate_up_bias), _packed(keep, mlp.down_proj.weight), keep(mlp.down_proj.bias))
+        for name, address in zip(LAYER_FIELDS, values):
+            setattr(out[i], name, address)
     return out
 
 
 def _usable(dtype: torch.dtype, head_dim: int, tensors, rope) -> bool:
     """What step.c and draft.c need: CPU, fp32 or bf16, head_dim a multiple of 16 up to 512, contiguous
-    weights all in the model's dtype, the RoPE tables (`rope`, a RotaryTable) on the CPU."""
+    weights all in the model's dtype (matrices gemm.c can multiply by, native/pack.py), the RoPE tables (`rope`, a RotaryTable) on the CPU."""
     return (dtype in (torch.float32, torch.bfloat16) and not head_dim % 16 and head_dim <= 512
-            and all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype for t in tensors)
+            and all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype
+                    and (t.dim() != 2 or packable(t)) for t in tensors)
             and rope.cos.device.type == rope.sin.device.type == "cpu")
 
 
@@ -181,7 +191,7 @@ class NativeStep:
         self._model = StepModel(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                 cfg.intermediate_size, cfg.vocab_size, decoder.dtype == torch.bfloat16,
                                 cfg.rms_norm_eps, keep(decoder.model.embed_tokens.weight),
-                                keep(decoder.model.norm.weight), keep(decoder.head_weight),
+                                keep(decoder.model.norm.weight), _packed(keep, decoder.head_weight),
                                 *_tables(decoder.rope, keep), ctypes.cast(self._layers, ctypes.POINTER(Layer)))
         self._tap_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -310,7 +320,7 @@ class NativeDraft:
                          cfg.intermediate_size, 0, drafter.dtype == torch.bfloat16, cfg.rms_norm_eps, None,
                          keep(drafter.norm.weight), None, *_tables(drafter.rope, keep),
                          ctypes.cast(self._layers, ctypes.POINTER(Layer)))
-        self._model = DraftModel(base, keep(drafter.fc.weight), keep(drafter.hidden_norm.weight),
+        self._model = DraftModel(base, _packed(keep, drafter.fc.weight), keep(drafter.hidden_norm.weight),
                                  drafter.fc.weight.shape[1])
         self._hidden = cfg.hidden_size
 

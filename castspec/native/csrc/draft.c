@@ -41,7 +41,7 @@ static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16,
     const int rows = C > T ? C : T, wide = 2 * F > qkv ? 2 * F : qkv; /* wide: the widest activation row */
     const int in = wide > dm->fc_in ? wide : dm->fc_in;                  /* the widest product input */
     const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
-    const int64_t io = (int64_t)rows * (in > H ? in : H);
+    const int64_t io = GEMM_ROWS(rows) * (in > H ? in : H);
     s->see = take(a, sizeof(RowAttn) * T);
     s->x = take(a, f * rows * H);
     s->ctx = take(a, f * rows * H);

@@ -1,5 +1,5 @@
 /* The pieces of a Llama / Qwen3 / DFlash-drafter layer for a forward's rows, shared by step.c (target forwards)
- * and draft.c (the drafter's block pass): everything between the products (skinny.c), vectorized.
+ * and draft.c (the drafter's block pass): everything between the products (gemm.c), vectorized.
  *
  * Activations stay in fp32 in a bf16 model too (the residual stream, norms, RoPE, attention, softmax, the
  * MLP's activation): only what enters a bf16 product is rounded, as it enters, and the products' fp32 sums are
@@ -7,7 +7,7 @@
  * summation order inside attention and products and the rounding of exp).
  *
  * Every row's arithmetic is independent of the other rows in its forward: the products sum in one order
- * whatever the row count (skinny.c), and attention depends only on the ordered list of keys a row sees
+ * whatever the row count (gemm.c), and attention depends only on the ordered list of keys a row sees
  * (attend_head), never on the slots they sit in. So a row gives the same bits alone or in any batch, a tree
  * row the bits of the decode step at its position, and a prompt the same cache whatever its chunking.
  */
@@ -21,8 +21,8 @@
 
 #include "simd.h"
 
-void skinny_bf16_f32(const uint16_t *W, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy);
-void skinny_f32(const float *W, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
+void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy);
+void gemm_f32(const float *P, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
 
 /* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native/abi.py's Layer. */
 typedef struct {
@@ -79,15 +79,20 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
     }
 }
 
-/* Y[M, O] = X[M, I] . W[O, I]^T + b in fp32 through skinny.c: in a bf16 model the rows X are rounded to bf16
- * as they enter the product (xs: scratch of M*I bf16 elements) and its fp32 sums kept, the bias added in fp32. */
+/* The rows a bf16 product's input scratch holds for M rows: whole groups of 16 (gemm.c's AMX tiles read them). */
+#define GEMM_ROWS(M) (((int64_t)(M) + 15) / 16 * 16)
+
+/* Y[M, O] = X[M, I] . W[O, I]^T + b in fp32 through gemm.c (W packed by native/pack.py): in a bf16 model the rows
+ * X are rounded to bf16 as they enter the product (xs: scratch of GEMM_ROWS(M) * I bf16 elements, the rows past
+ * M zeroed) and its fp32 sums kept, the bias added in fp32. */
 static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
                    uint16_t *xs, float *Y) {
     if (m->bf16) {
         to_model(X, xs, (int64_t)M * I);
-        skinny_bf16_f32(W, xs, Y, M, O, I, I, O);
+        memset(xs + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
+        gemm_bf16_f32(W, xs, Y, M, O, I, I, O);
     } else {
-        skinny_f32(W, X, Y, M, O, I, I, O);
+        gemm_f32(W, X, Y, M, O, I, I, O);
     }
     if (b)
         for (int r = 0; r < M; ++r)

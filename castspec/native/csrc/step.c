@@ -3,7 +3,7 @@
  *
  * Such a forward streams every weight once and does little else, yet in eager torch its ~50 small ops per
  * layer (norms, RoPE, cache writes, attention, residuals) can cost more than the weight reads.
- * Here the whole forward is one call: the products use skinny.c's kernels, the rest is layer.h, and every
+ * Here the whole forward is one call: the products use gemm.c's kernels on packed weights, the rest is layer.h, and every
  * row's bits are independent of the other rows (layer.h), so it takes any number of rows.
  * Weights are read through the pointers in StepModel (built by castspec/native/forward.py); the K/V
  * cache is the fp32 [layers, 1, kv_heads, capacity, head_dim] tensor of castspec/models/kvcache.py.
@@ -48,7 +48,7 @@ static void step_scratch(Arena *a, const StepModel *m, int M, int R, int Smax, i
     const int H = m->hidden, nq = m->heads * m->head_dim, qkv = nq + 2 * m->kv_heads * m->head_dim, F = m->inter;
     const int wide = 2 * F > qkv ? 2 * F : qkv; /* the widest activation row */
     const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
-    const int64_t io = (int64_t)M * (wide > H ? wide : H);
+    const int64_t io = GEMM_ROWS(M > R ? M : R) * (wide > H ? wide : H);
     s->see = take(a, sizeof(RowAttn) * M);
     s->keys = take(a, sizeof(int32_t) * M * Smax);
     s->nkeys = take(a, sizeof(int32_t) * M);
@@ -59,7 +59,7 @@ static void step_scratch(Arena *a, const StepModel *m, int M, int R, int Smax, i
     s->act = take(a, f * M * F);
     s->heads_out = take(a, f * M * nq);
     s->probs = take(a, f * M * m->heads * S16);
-    s->xs = take(a, esz * (io > (int64_t)R * H ? io : (int64_t)R * H)); /* R * H: the final norm's rows */
+    s->xs = take(a, esz * io); /* R rows: the final norm's */
 }
 
 /* The forward of M rows (any number: each row's bits are the same alone or among others), split in order into

@@ -1,0 +1,236 @@
+/* Matrix products of the whole native forwards (layer.h): Y[M, O] = X[M, I] . W[O, I]^T for any row count M,
+ * on weights packed once at load (castspec/native/pack.py) into panels of 16 output columns.
+ *
+ * A decode step multiplies one row by every weight matrix and is bound by reading the weights; a tree verify or
+ * a serving round multiplies 8-64 rows, which costs compute as well. Both run here as register tiles of up to
+ * 8 rows x up to 8 panels: per step along I, each weight vector is loaded once and used by every row of the
+ * tile, each row's input is broadcast once and used by every panel. Each thread owns a contiguous range of
+ * panels and walks it in blocks; every group of rows meets a block while it is still in cache, so the weights
+ * stream from memory once per forward whatever M is.
+ *
+ * Packed layouts (16 = output columns of a panel, lanes of a vector):
+ *   bf16: [O/16][I/2][16][2], the k-pairs VDPBF16PS consumes (input I even);
+ *   fp32: [O/16][I][16].
+ * O is padded to whole panels with zero columns, which are computed and never stored.
+ *
+ * Every output is one accumulator updated in order along I, from zero, one instruction per step: the same
+ * instructions in the same order whatever M is, wherever the row sits in the call and whichever tile or thread
+ * computes it. So a row's result depends only on that row (the bit-exactness of issue 16 rests on it).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define MAX_R 8  /* rows per tile */
+#define BLOCK 24 /* panels per block: a multiple of every tile width below */
+
+/* One tile: R rows x NB panels, both constants at every call site (the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, int64_t pstride, int I2,
+                                                            const uint32_t *X, int64_t ldx2, int R, int NB,
+                                                            float *Y, int64_t ldy, int64_t valid) {
+    __m512 acc[MAX_R][8];
+    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int p = 0; p < I2; ++p) {
+        __m512bh w[8];
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
+            w[b] = (__m512bh)_mm512_loadu_si512(P + b * pstride + (int64_t)p * 32);
+        UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)X[r * ldx2 + p]);
+            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], x, w[b]);
+        }
+    }
+    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
+            if (valid > 16 * b) _mm512_mask_storeu_ps(Y + r * ldy + 16 * b, lanes(valid, 16 * b), acc[r][b]);
+}
+
+static inline __attribute__((always_inline)) void tile_f32(const float *P, int64_t pstride, int I,
+                                                           const float *X, int64_t ldx, int R, int NB, float *Y,
+                                                           int64_t ldy, int64_t valid) {
+    __m512 acc[MAX_R][8];
+    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int i = 0; i < I; ++i) {
+        __m512 w[8];
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) w[b] = _mm512_loadu_ps(P + b * pstride + (int64_t)i * 16);
+        UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
+            const __m512 x = _mm512_set1_ps(X[r * ldx + i]);
+            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(w[b], x, acc[r][b]);
+        }
+    }
+    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
+            if (valid > 16 * b) _mm512_mask_storeu_ps(Y + r * ldy + 16 * b, lanes(valid, 16 * b), acc[r][b]);
+}
+
+/* Panels [0, np) of a block for R rows: tiles NB wide, then the rest in tiles of 4, 2 and 1 (np - b < NB). */
+#define SWEEP(TILE, R, NB)                                                 \
+    do {                                                                   \
+        int b = 0;                                                         \
+        for (; b + (NB) <= np; b += (NB)) TILE(R, NB, b);                  \
+        if ((NB) > 4 && np - b >= 4) { TILE(R, 4, b); b += 4; }            \
+        if ((NB) > 2 && np - b >= 2) { TILE(R, 2, b); b += 2; }            \
+        if (np - b >= 1) TILE(R, 1, b);                                    \
+    } while (0)
+
+/* Tile widths per row count: 16-24 accumulators, plus the panel vectors and one broadcast, in 32 registers. */
+#define ROWS(TILE, R)                      \
+    switch (R) {                           \
+    case 8: SWEEP(TILE, 8, 3); break;      \
+    case 7: SWEEP(TILE, 7, 3); break;      \
+    case 6: SWEEP(TILE, 6, 4); break;      \
+    case 5: SWEEP(TILE, 5, 4); break;      \
+    case 4: SWEEP(TILE, 4, 6); break;      \
+    case 3: SWEEP(TILE, 3, 6); break;      \
+    case 2: SWEEP(TILE, 2, 8); break;      \
+    default: SWEEP(TILE, 1, 8); break;     \
+    }
+
+/* The panels of this thread, in blocks; every group of up to MAX_R rows over each block. */
+#define PRODUCT(TILE)                                                                          \
+    const int panels = (O + 15) / 16;                                                          \
+    _Pragma("omp parallel") {                                                                  \
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();                         \
+        const int first = (int)((int64_t)panels * t / n), last = (int)((int64_t)panels * (t + 1) / n); \
+        for (int blk = first; blk < last; blk += BLOCK) {                                      \
+            const int np = last - blk < BLOCK ? last - blk : BLOCK;                            \
+            for (int m0 = 0; m0 < M; m0 += MAX_R) {                                            \
+                const int R = M - m0 < MAX_R ? M - m0 : MAX_R;                                 \
+                ROWS(TILE, R)                                                                  \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+#ifndef CASTSPEC_EMULATE
+/* AMX (Intel's tile unit), where the CPU has it: one TDPBF16PS multiplies 16 rows x 32 inputs by a 32 x 16 block
+ * of weights, which is exactly 16 consecutive k-pairs of a packed panel (1 KiB, rows of 64 bytes). Rows go in
+ * groups of 16; a group with fewer rows is padded with zero rows, so every product runs the same instructions
+ * on the same 16-row tiles whatever M is, and a row's sums never depend on the others. Tiles: C0-C3 hold 4
+ * panels' sums, A the group's inputs, B0-B2 weights. The caller pads X with zero rows to whole groups (layer.h's
+ * linear). */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX __attribute__((target("amx-tile,amx-bf16")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Whether bf16 products use AMX: decided once when the library is loaded (gemm_use_amx), for every product of
+ * the process alike, since a row's bits differ between AMX and AVX-512 tiles. */
+static int amx_on;
+
+/* Asks Linux for the tile state (AMX's registers are off until a process asks); 1 if AMX is now in use. */
+int gemm_use_amx(int want) {
+    amx_on = want && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_on;
+}
+
+int gemm_amx_on(void) { return amx_on; }
+
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 1024 /* elements: two k-steps of a panel */
+#endif
+
+AMX static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; } /* 16 rows of 16 fp32 or 32 bf16 */
+    _tile_loadconfig(&c);
+}
+
+/* C tile `t` of one group: straight into Y for 16 rows of 16 valid columns, else through a buffer. */
+#define AMX_STORE(t, b)                                                                                 \
+    do {                                                                                                \
+        float *y = Y + (int64_t)m0 * ldy + (int64_t)(panel + (b)) * 16;                                 \
+        const int64_t valid = (int64_t)O - (int64_t)(panel + (b)) * 16;                                 \
+        if (R == 16 && valid >= 16) {                                                                   \
+            _tile_stored(t, y, ldy * 4);                                                                \
+        } else {                                                                                        \
+            _tile_stored(t, buf, 64);                                                                   \
+            __asm__ volatile("" ::: "memory"); /* the tile store is asm the compiler cannot see into */ \
+            for (int r = 0; r < R; ++r)                                                                 \
+                _mm512_mask_storeu_ps(y + r * ldy, lanes(valid, 0), _mm512_loadu_ps(buf + 16 * r));      \
+        }                                                                                               \
+    } while (0)
+
+AMX static void gemm_amx(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
+    const int64_t pstride = (int64_t)16 * I;
+    const int groups = (M + 15) / 16, panels = (O + 15) / 16;
+    _Pragma("omp parallel") {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int first = (int)((int64_t)panels * t / n), last = (int)((int64_t)panels * (t + 1) / n);
+        float buf[16 * 16];
+        amx_configure();
+        for (int blk = first; blk < last; blk += BLOCK) {
+            const int bend = last - blk < BLOCK ? last : blk + BLOCK;
+            for (int g = 0; g < groups; ++g) {
+                const int m0 = 16 * g, R = M - m0 < 16 ? M - m0 : 16;
+                const uint16_t *a = X + (int64_t)m0 * ldx;
+                for (int panel = blk; panel < bend; panel += 4) {
+                    const int nb = bend - panel < 4 ? bend - panel : 4;
+                    const uint16_t *w = P + (int64_t)panel * pstride;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int k = 0; k < I; k += 32) {
+                        const uint16_t *wk = w + (int64_t)k * 16; /* pair k/2 of the panel, 32 elements a pair */
+                        if (g == 0) /* the first group streams the weights from memory: fetch ahead */
+                            for (int b = 0; b < nb; ++b)
+                                for (int l = 0; l < 16; ++l)
+                                    _mm_prefetch((const char *)(wk + b * pstride + AMX_AHEAD + 32 * l), _MM_HINT_T0);
+                        _tile_loadd(4, a + k, (int64_t)ldx * 2);
+                        _tile_loadd(5, wk, 64);
+                        _tile_dpbf16ps(0, 4, 5);
+                        if (nb > 1) { _tile_loadd(6, wk + pstride, 64); _tile_dpbf16ps(1, 4, 6); }
+                        if (nb > 2) { _tile_loadd(7, wk + 2 * pstride, 64); _tile_dpbf16ps(2, 4, 7); }
+                        if (nb > 3) { _tile_loadd(5, wk + 3 * pstride, 64); _tile_dpbf16ps(3, 4, 5); }
+                    }
+                    AMX_STORE(0, 0);
+                    if (nb > 1) AMX_STORE(1, 1);
+                    if (nb > 2) AMX_STORE(2, 2);
+                    if (nb > 3) AMX_STORE(3, 3);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#else
+int gemm_use_amx(int want) { (void)want; return 0; }
+int gemm_amx_on(void) { return 0; }
+#endif
+
+/* X: M rows of bf16 (stride ldx, even) entering the product, followed by zero rows up to a multiple of 16 (the
+ * AMX path reads whole groups); Y: their fp32 sums. */
+void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
+#ifndef CASTSPEC_EMULATE
+    if (amx_on && I % 32 == 0) {
+        gemm_amx(P, X, Y, M, O, I, ldx, ldy);
+        return;
+    }
+#endif
+    const int64_t pstride = (int64_t)16 * I; /* elements per panel */
+    const uint32_t *X2 = (const uint32_t *)X;
+#define TILE_BF16(R, NB, b)                                                                             \
+    tile_bf16(P + (int64_t)(blk + (b)) * pstride, pstride, I / 2, X2 + (int64_t)m0 * (ldx / 2), ldx / 2, R, NB, \
+              Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16)
+    PRODUCT(TILE_BF16)
+#undef TILE_BF16
+}
+
+void gemm_f32(const float *P, const float *X, float *Y, int M, int O, int I, int ldx, int ldy) {
+    const int64_t pstride = (int64_t)16 * I;
+#define TILE_F32(R, NB, b)                                                                              \
+    tile_f32(P + (int64_t)(blk + (b)) * pstride, pstride, I, X + (int64_t)m0 * ldx, ldx, R, NB,           \
+             Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16)
+    PRODUCT(TILE_F32)
+#undef TILE_F32
+}
