@@ -8,13 +8,14 @@
  *
  * Every row's arithmetic is independent of the other rows in its forward: the products sum in one order
  * whatever the row count (gemm.c), and attention depends only on the ordered list of keys a row sees
- * (attend_head), never on the slots they sit in. So a row gives the same bits alone or in any batch, a tree
+ * (attend_heads), never on the slots they sit in. So a row gives the same bits alone or in any batch, a tree
  * row the bits of the decode step at its position, and a prompt the same cache whatever its chunking.
  */
 #ifndef CASTSPEC_LAYER_H
 #define CASTSPEC_LAYER_H
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -154,52 +155,104 @@ static __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Softmax attention of one query head over the n keys it sees, in order: slots keys[0..n) of its key/value head
- * (keys NULL: slots [0, n)); out[d] in fp32. p is scratch of n rounded up to 16 floats.
+/* The values' weighted sum for H heads over one block of C vectors (16 * C output lanes from i0): each head's
+ * accumulators run key by key in order, exactly as for that head alone; the heads share each value row's loads
+ * and their independent chains keep the FMA units busy. H and C are constants at every call site. */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, int64_t pstride, int H, int C,
+                                                               const float *V, int n, const int32_t *keys, int d,
+                                                               int i0, const float *inv, float *out) {
+    __m512 o[4][8];
+    UNROLL_LOOP(4) for (int h = 0; h < H; ++h) UNROLL_LOOP(8) for (int k = 0; k < C; ++k) o[h][k] = _mm512_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+        const float *value = V + (int64_t)(keys ? keys[j] : j) * d + i0;
+        __m512 v[8];
+        UNROLL_LOOP(8) for (int k = 0; k < C; ++k) v[k] = _mm512_loadu_ps(value + 16 * k);
+        UNROLL_LOOP(4) for (int h = 0; h < H; ++h) {
+            const __m512 w = _mm512_set1_ps(p[h * pstride + j]);
+            UNROLL_LOOP(8) for (int k = 0; k < C; ++k) o[h][k] = _mm512_fmadd_ps(w, v[k], o[h][k]);
+        }
+    }
+    UNROLL_LOOP(4) for (int h = 0; h < H; ++h)
+        UNROLL_LOOP(8) for (int k = 0; k < C; ++k)
+            _mm512_storeu_ps(out + (int64_t)h * d + i0 + 16 * k, _mm512_mul_ps(o[h][k], _mm512_set1_ps(inv[h])));
+}
+
+/* Heads [0, G) of the weighted sum, over blocks of up to 8 vectors of d, in groups of heads that fit the
+ * registers; any other shape head by head through the same code. */
+static void weigh_all(const float *p, int64_t pstride, int G, const float *V, int n, const int32_t *keys, int d,
+                      const float *inv, float *out) {
+    for (int i0 = 0; i0 < d; i0 += 128) {
+        const int C = d - i0 < 128 ? (d - i0) / 16 : 8;
+        int h = 0;
+#define WEIGH(HH, CC) weigh_values(p + h * pstride, pstride, HH, CC, V, n, keys, d, i0, inv + h, out + (int64_t)h * d)
+        if (C == 4)
+            for (; h + 4 <= G; h += 4) WEIGH(4, 4);
+        if (C == 4 && G - h == 3) { WEIGH(3, 4); h += 3; }
+        if (C == 4 && G - h == 2) { WEIGH(2, 4); h += 2; }
+        if (C == 8)
+            for (; h + 3 <= G; h += 3) WEIGH(3, 8);
+        if (C == 8 && G - h == 2) { WEIGH(2, 8); h += 2; }
+        for (; h < G; ++h) switch (C) {
+            case 8: WEIGH(1, 8); break;
+            case 7: WEIGH(1, 7); break;
+            case 6: WEIGH(1, 6); break;
+            case 5: WEIGH(1, 5); break;
+            case 4: WEIGH(1, 4); break;
+            case 3: WEIGH(1, 3); break;
+            case 2: WEIGH(1, 2); break;
+            default: WEIGH(1, 1); break;
+            }
+#undef WEIGH
+    }
+}
+
+/* Softmax attention of G query heads (q: G rows of d) sharing one key/value head, over the n keys they see, in
+ * order: slots keys[0..n) of that head (keys NULL: slots [0, n)); out: G rows of d, fp32. p is scratch of G
+ * rows of pstride >= n rounded up to 16 floats.
  *
  * Everything runs over that compact list (scores sixteen keys at a time through one horizontal-sum tree, the
  * softmax's max and sum over its lanes, the values' weighted sum key by key), so the bits depend only on the
  * ordered keys, never on the slots they occupy or on keys the row does not see: a tree row (prefix and
  * ancestors, parents first) computes exactly what the decode step at its position computes over slots
- * 0..pos. */
-static void attend_head(const float *q, const float *K, const float *V, int n, const int32_t *keys, int d,
-                        float scale, float *p, float *out) {
+ * 0..pos. Each head computes the same bits whatever G is: the heads share the loads of each key and value,
+ * nothing else. */
+static void attend_heads(const float *q, int G, const float *K, const float *V, int n, const int32_t *keys, int d,
+                         float scale, float *p, int64_t pstride, float *out) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 vmax = ninf;
+    __m512 vmax[64];
+    for (int g = 0; g < G; ++g) vmax[g] = ninf;
     for (int c0 = 0; c0 < n; c0 += 16) {
         const int w = n - c0 < 16 ? n - c0 : 16;
-        __m512 acc[16];
-        for (int j = 0; j < 16; ++j) {
-            acc[j] = _mm512_setzero_ps();
-            if (j < w) {
-                const float *key = K + (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
-                for (int i = 0; i < d; i += 16)
-                    acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(key + i), acc[j]);
+        for (int g = 0; g < G; ++g) { /* the chunk's 16 key rows stay in L1 across the heads */
+            const float *qg = q + (int64_t)g * d;
+            __m512 acc[16];
+            for (int j = 0; j < 16; ++j) {
+                acc[j] = _mm512_setzero_ps();
+                if (j < w) {
+                    const float *key = K + (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
+                    for (int i = 0; i < d; i += 16)
+                        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(key + i), acc[j]);
+                }
             }
+            const __m512 sc =
+                _mm512_mask_blend_ps(lanes(n, c0), ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(p + g * pstride + c0, sc);
+            vmax[g] = _mm512_max_ps(vmax[g], sc);
         }
-        const __m512 sc = _mm512_mask_blend_ps(lanes(n, c0), ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-        _mm512_storeu_ps(p + c0, sc);
-        vmax = _mm512_max_ps(vmax, sc);
     }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int c0 = 0; c0 < n; c0 += 16) {
-        const __m512 e = _mm512_maskz_mov_ps(lanes(n, c0), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + c0), mx)));
-        _mm512_storeu_ps(p + c0, e);
-        vsum = _mm512_add_ps(vsum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
-    for (int i0 = 0; i0 < d; i0 += 128) { /* up to eight accumulators of the output at a time */
-        const int c = d - i0 < 128 ? (d - i0) / 16 : 8;
-        __m512 o[8];
-        for (int k = 0; k < 8; ++k) o[k] = _mm512_setzero_ps();
-        for (int j = 0; j < n; ++j) {
-            const __m512 w = _mm512_set1_ps(p[j]);
-            const float *value = V + (int64_t)(keys ? keys[j] : j) * d + i0;
-            for (int k = 0; k < c; ++k) o[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * k), o[k]);
+    float inv[64];
+    for (int g = 0; g < G; ++g) {
+        float *pg = p + g * pstride;
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int c0 = 0; c0 < n; c0 += 16) {
+            const __m512 e = _mm512_maskz_mov_ps(lanes(n, c0), exp16(_mm512_sub_ps(_mm512_loadu_ps(pg + c0), mx)));
+            _mm512_storeu_ps(pg + c0, e);
+            vsum = _mm512_add_ps(vsum, e);
         }
-        for (int k = 0; k < c; ++k) _mm512_storeu_ps(out + i0 + 16 * k, _mm512_mul_ps(o[k], inv));
+        inv[g] = 1.f / _mm512_reduce_add_ps(vsum);
     }
+    weigh_all(p, pstride, G, V, n, keys, d, inv, out);
 }
 
 /* The slots a row sees, ascending, from its mask row visible[0, S) (nonzero = visible) into keys; returns how
@@ -279,12 +332,16 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
                       int S16, float *probs, float *heads_out, float *x, void *xs, float *att) {
     const int d = m->head_dim, nh = m->heads, nq = nh * d, group = nh / m->kv_heads;
     const float scale = 1.f / sqrtf((float)d);
+    /* work items: a row's query heads that share a key/value head, together (they share the loads), or one by
+     * one where there are too few rows to keep the threads busy; the bits are the same either way */
+    const int G = M * m->kv_heads >= 2 * omp_get_max_threads() && group <= 64 ? group : 1, items = M * (nh / G);
 #pragma omp parallel for schedule(static) if ((int64_t)M * rows[0].n >= 64)
-    for (int rh = 0; rh < M * nh; ++rh) {
-        const int r = rh / nh, h = rh % nh;
+    for (int it = 0; it < items; ++it) {
+        const int r = it / (nh / G), h = (it % (nh / G)) * G;
         const RowAttn *a = &rows[r];
-        attend_head(q + r * ldq + h * d, a->K + (h / group) * a->head_stride, a->V + (h / group) * a->head_stride,
-                    a->n, a->keys, d, scale, probs + (int64_t)rh * S16, heads_out + (int64_t)r * nq + h * d);
+        attend_heads(q + r * ldq + h * d, G, a->K + (h / group) * a->head_stride, a->V + (h / group) * a->head_stride,
+                     a->n, a->keys, d, scale, probs + ((int64_t)r * nh + h) * S16, S16,
+                     heads_out + (int64_t)r * nq + h * d);
     }
     linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, att);
     add_to(x, att, (int64_t)M * m->hidden);

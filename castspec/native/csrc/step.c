@@ -85,7 +85,7 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     RowAttn *see = s.see;
     void *xs = s.xs;
 
-    /* what each row sees, the same in every layer: a masked row its visible slots as a list (attend_head), an
+    /* what each row sees, the same in every layer: a masked row its visible slots as a list (attend_heads), an
      * unmasked one slots [0, start + j] */
     for (int g = 0, r = 0; g < nseg; ++g) {
         const Segment *sg = &segs[g];
