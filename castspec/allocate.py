@@ -1,7 +1,9 @@
 """Who gets how many tree nodes this round: allocation policies over B requests' candidate universes, and
 the one factory (`PolicySpec` -> `make_policy`) that every front door uses to turn user settings into a policy.
 
-Every policy maps the drafted marginals of the requests that draft this round to one best-first tree each.
+Every policy maps the drafted marginals of the requests that draft this round to one best-first tree each. A
+request's marginals come as [L, V] log-probabilities, or [L, S] over a draft vocabulary with its token ids (its
+support: `supports`, None per request for the whole vocabulary); the trees are the same either way.
 With one request, `fixed` and `cost` are the paper's fixed width N and the per-round cost-aware width; under
 load `shared` spends one global budget M on the highest-scoring candidates wherever they are (Proposition 2),
 and `cost` also picks M from the profiled cost of the whole batched verify (Proposition 3).
@@ -26,7 +28,8 @@ class Policy:
         """The most nodes one request's tree can get (sizes its KV cache)."""
         raise NotImplementedError
 
-    def allocate(self, logprobs: list[torch.Tensor], prefixes: list[int]) -> list[Tree]:
+    def allocate(self, logprobs: list[torch.Tensor], prefixes: list[int],
+                 supports: list[torch.Tensor | None] | None = None) -> list[Tree]:
         raise NotImplementedError
 
     def should_draft(self) -> bool:
@@ -40,6 +43,15 @@ class Policy:
         """Feedback per verified request: its tree and the accepted pack rows (for calibrating masses)."""
 
 
+def _each(supports: list[torch.Tensor | None] | None, logprobs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """One support per request (None: its marginals cover the whole vocabulary)."""
+    if supports is None:
+        return [None] * len(logprobs)
+    if len(supports) != len(logprobs):
+        raise ValueError(f"one support per request: {len(supports)} supports for {len(logprobs)} requests")
+    return supports
+
+
 class Chain(Policy):
     """Standard DFlash: the top-1 token at every drafted position."""
 
@@ -48,8 +60,8 @@ class Chain(Policy):
     def max_nodes(self, depth: int) -> int:
         return depth
 
-    def allocate(self, logprobs, prefixes):
-        return [build_tree(lp, lp.shape[0], 1) for lp in logprobs]
+    def allocate(self, logprobs, prefixes, supports=None):
+        return [build_tree(lp, lp.shape[0], 1, support=s) for lp, s in zip(logprobs, _each(supports, logprobs))]
 
 
 @dataclass
@@ -63,8 +75,9 @@ class FixedWidth(Policy):
     def max_nodes(self, depth: int) -> int:
         return min(self.width, universe_size(depth, self.top_k_per_position))
 
-    def allocate(self, logprobs, prefixes):
-        return [build_tree(lp, self.width, self.top_k_per_position) for lp in logprobs]
+    def allocate(self, logprobs, prefixes, supports=None):
+        return [build_tree(lp, self.width, self.top_k_per_position, support=s)
+                for lp, s in zip(logprobs, _each(supports, logprobs))]
 
 
 @dataclass
@@ -78,9 +91,10 @@ class UniformSplit(Policy):
     def max_nodes(self, depth: int) -> int:
         return min(self.budget, universe_size(depth, self.top_k_per_position))
 
-    def allocate(self, logprobs, prefixes):
+    def allocate(self, logprobs, prefixes, supports=None):
         share, extra = divmod(self.budget, max(len(logprobs), 1))
-        return [build_tree(lp, share + (i < extra), self.top_k_per_position) for i, lp in enumerate(logprobs)]
+        return [build_tree(lp, share + (i < extra), self.top_k_per_position, support=s)
+                for i, (lp, s) in enumerate(zip(logprobs, _each(supports, logprobs)))]
 
 
 @dataclass
@@ -94,8 +108,8 @@ class SharedBudget(Policy):
     def max_nodes(self, depth: int) -> int:
         return min(self.budget, universe_size(depth, self.top_k_per_position))
 
-    def allocate(self, logprobs, prefixes):
-        return build_forest(logprobs, self.budget, self.top_k_per_position)
+    def allocate(self, logprobs, prefixes, supports=None):
+        return build_forest(logprobs, self.budget, self.top_k_per_position, supports=supports)
 
 
 class CostAware(Policy):
@@ -156,10 +170,11 @@ class CostAware(Policy):
             return False
         return self.draft_rate >= self._plain_rate()
 
-    def allocate(self, logprobs, prefixes):
+    def allocate(self, logprobs, prefixes, supports=None):
         cap = self.max_nodes(logprobs[0].shape[0]) if logprobs else 0
         self.batch = max(len(logprobs), 1)
-        trees = build_forest(logprobs, cap * len(logprobs), self.top_k_per_position, [cap] * len(logprobs))
+        trees = build_forest(logprobs, cap * len(logprobs), self.top_k_per_position, [cap] * len(logprobs),
+                             supports)
         counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes)
         return [t.head(c) for t, c in zip(trees, counts)]
 

@@ -128,11 +128,16 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             bar.update(1)
         host = {}
         cache_seq = Sequence(target, None, [0] * 8, DecodeConfig(method="ar", max_new_tokens=2), max(packed))
+        # trees from the marginals real rounds build them from: on the device, and over the drafter's draft
+        # vocabulary (its columns and their token ids) where it has one
+        support = drafter.draft_vocab if drafter is not None else None
+        host_lp = (logprobs if support is None else
+                   torch.log_softmax(torch.randn(L, len(support), generator=g) * 4, dim=-1)).to(device)
         for n in packed:
             width = n - 1
 
             def host_work():
-                tree = build_tree(logprobs, width, top_k)
+                tree = build_tree(host_lp, width, top_k, support=support)
                 pack_tree(tree, 0, 8, device)
                 greedy_walk(tree, [0] * (width + 1))
                 cache_seq.cache.compact(torch.arange(8, 8 + min(width, L) + 1, device=device), 8)

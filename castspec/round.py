@@ -3,6 +3,8 @@ the server.
 
 `run_round` is four steps:
   draft    one batched drafter pass for every sequence that drafts; the policy turns the marginals into trees
+           (over the drafter's draft vocabulary where it has one: the trees read its support, sampling the full
+           vocabulary)
   lay out  the rows of ONE ragged target forward: prompt chunks of newcomers and the packs [root, tree] of
            running sequences, each against its own cache with its own mask
   forward  that target forward
@@ -22,7 +24,7 @@ from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .models.kvcache import Segment
 from .sequence import Sequence, propose_batch
-from .tree import Tree
+from .tree import Marginals, Tree
 
 
 def synchronize(device: torch.device) -> None:
@@ -106,7 +108,7 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     if drafted:
         out.draft_ms = (clock() - t) * 1e3
     for o, m in zip(out.sequences, marginals):
-        o.draft_logprobs = m
+        o.draft_logprobs = None if m is None else m.full
 
     t = clock()
     trees = plan_trees(policy, seqs, marginals)
@@ -131,29 +133,31 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
 
 
 def draft(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence],
-          policy: Policy | None) -> list[torch.Tensor | None]:
+          policy: Policy | None) -> list[Marginals | None]:
     """Step 1: one batched drafter pass for the running sequences that draft this round. Returns each
-    sequence's marginals [depth, V] (None for those that do not draft)."""
-    marginals: list[torch.Tensor | None] = [None] * len(seqs)
+    sequence's marginals [depth, V] with their support (None for those that do not draft)."""
+    marginals: list[Marginals | None] = [None] * len(seqs)
     drafting = [i for i, s in enumerate(seqs) if s.decoding and s.wants_draft()] if policy is not None else []
     if not drafting or not policy.should_draft():
         return marginals
     L = drafter.cfg.num_draft_positions
     chosen = [seqs[i] for i in drafting]
-    lps = propose_batch(target, drafter, [s.draft for s in chosen], [s.root for s in chosen],
-                        [min(L, s.remaining - 1) for s in chosen])
+    drafts = propose_batch(target, drafter, [s.draft for s in chosen], [s.root for s in chosen],
+                           [min(L, s.remaining - 1) for s in chosen])
     synchronize(target.device)
-    for i, lp in zip(drafting, lps):
-        marginals[i] = lp
+    for i, m in zip(drafting, drafts):
+        marginals[i] = m
     return marginals
 
 
-def plan_trees(policy: Policy | None, seqs: list[Sequence], marginals: list[torch.Tensor | None]) -> list[Tree]:
-    """Step 1 (cont.): the policy's tree for every sequence that drafted; an empty tree for the others."""
+def plan_trees(policy: Policy | None, seqs: list[Sequence], marginals: list[Marginals | None]) -> list[Tree]:
+    """Step 1 (cont.): the policy's tree for every sequence that drafted; an empty tree for the others. Trees
+    read the marginals on their support (the top K of a draft vocabulary's columns, not of the whole vocabulary)."""
     trees = [Tree.empty() for _ in seqs]
     drafted = [i for i, m in enumerate(marginals) if m is not None]
     if drafted:
-        planned = policy.allocate([marginals[i] for i in drafted], [seqs[i].prefix_len for i in drafted])
+        planned = policy.allocate([marginals[i].on_support for i in drafted], [seqs[i].prefix_len for i in drafted],
+                                  [marginals[i].support for i in drafted])
         for i, tree in zip(drafted, planned):
             trees[i] = tree
     return trees

@@ -16,7 +16,7 @@ from .models.dflash import DFlashDrafter, DraftSegment
 from .models.kvcache import Segment
 from .pack import Pack, pack_tree
 from .sampling import History, LogitProcessor, Sampler, TokenLogprob, token_logprob
-from .tree import Tree
+from .tree import Marginals, Tree
 from .verify import sampled_walk, walk
 
 
@@ -46,16 +46,17 @@ class DraftState:
     def add_context(self, features: torch.Tensor) -> None:
         self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
 
-    def propose(self, target: Decoder, root: int, depth: int) -> torch.Tensor:
-        """Log-probabilities [depth, V] of the next `depth` tokens after `root` (at position = context end)."""
+    def propose(self, target: Decoder, root: int, depth: int) -> Marginals:
+        """Log-probabilities [depth, V] of the next `depth` tokens after `root` (at position = context end), with
+        their support."""
         return propose_batch(target, self.drafter, [self], [root], [depth])[0]
 
 
 def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftState], roots: list[int],
-                  depths: list[int]) -> list[torch.Tensor]:
+                  depths: list[int]) -> list[Marginals]:
     """One drafter pass for several sequences: their new context rows and their blocks [root, MASK x L] are
     concatenated (ragged, no padding), each block attending to its own cache only. Returns per-sequence
-    log-probabilities [depth_i, V]."""
+    log-probabilities [depth_i, V] with their support (`Marginals`)."""
     device = target.device
     L = drafter.cfg.num_draft_positions
     max_pos = drafter.cfg.max_positions - 1
@@ -77,8 +78,7 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
         feats[0] if len(feats) == 1 else torch.cat(feats, dim=1), torch.cat(ctx_pos).view(1, -1).to(device), segments)
     hidden = hidden.view(len(states), L + 1, -1)
     rows = torch.cat([hidden[i, 1:d + 1] for i, d in enumerate(depths)])  # one lm_head GEMM for all
-    logprobs = drafter.draft_logprobs(rows, target)
-    return list(logprobs.split(depths))
+    return drafter.marginals(rows, target).split(depths)
 
 
 class Sequence:

@@ -1,7 +1,10 @@
 """Best-first candidate trees from per-position marginals (pure functions, no model state).
 
 A node is a drafted string z_1..z_d; its score is sum_j log q_j(z_j) over the ORIGINAL (full-vocabulary)
-marginals. Only the top-K tokens of each position are candidates. Because the scores along a path only fall,
+marginals. Only the top-K tokens of each position are candidates; equal log-probabilities at one position rank the
+smaller token id first. A drafter with a draft vocabulary gives every other token probability 0, so its top K are
+found among the draft vocabulary's columns alone (`Marginals.on_support` with its `support`): the same trees as
+from the full-vocabulary tensor, at a fraction of the top-K work. Because the scores along a path only fall,
 popping the best frontier node and pushing (a) its first child and (b) its next sibling enumerates strings in
 exactly non-increasing score order: N pops and at most 2N pushes, which keeps tree building off the critical
 path even at N = 127.
@@ -35,12 +38,69 @@ class Tree:
         return Tree([], [], [], [])
 
 
-def _topk_lists(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+@dataclass(frozen=True)
+class Marginals:
+    """A drafted block's per-position log-probabilities, as a round passes them on.
+
+    `full` [L, V] covers the whole target vocabulary (what sampling reads). `on_support` [L, S] holds the same
+    values at the token ids `support` [S], in that order; every token outside the support has log-probability
+    -inf in `full`. Without a draft vocabulary `support` is None and `on_support` is `full` itself. Trees are
+    built from (`on_support`, `support`).
+    """
+
+    full: torch.Tensor
+    on_support: torch.Tensor
+    support: torch.Tensor | None = None
+
+    @classmethod
+    def dense(cls, full: torch.Tensor) -> "Marginals":
+        """Marginals that may give any token a positive probability."""
+        return cls(full, full, None)
+
+    def split(self, depths: list[int]) -> list["Marginals"]:
+        """Per-request marginals of a batched pass whose rows are the requests' blocks one after the other."""
+        if self.support is None:
+            return [Marginals.dense(f) for f in self.full.split(depths)]
+        return [Marginals(f, s, self.support) for f, s in zip(self.full.split(depths), self.on_support.split(depths))]
+
+
+def _topk_lists(logprobs: torch.Tensor, k: int,
+                support: torch.Tensor | None = None) -> tuple[list[list[float]], list[list[int]]]:
+    """The top k log-probabilities of every row, descending, and their token ids (column c is token
+    `support[c]`, or c without a support); equal values in token-id order."""
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [L, V], got shape {tuple(logprobs.shape)}")
-    k = min(k, logprobs.shape[1])
-    vals, ids = logprobs.float().topk(k, dim=-1)  # sorted descending
-    return vals.tolist(), ids.tolist()  # one host transfer for the whole block
+    if support is not None and tuple(support.shape) != (logprobs.shape[1],):
+        raise ValueError(f"support must hold one token id per column of logprobs ({logprobs.shape[1]}), got "
+                         f"shape {tuple(support.shape)}")
+    n = logprobs.shape[1]
+    k = min(k, n)
+    lp = logprobs.float()
+    # one more than k: a value tied across the k-th place shows up as two equal neighbours
+    vals, cols = lp.topk(min(k + 1, n), dim=-1)  # sorted descending
+    ids = cols if support is None else support.to(cols.device)[cols]
+    vals, ids = vals.tolist(), ids.tolist()  # one host transfer for the whole block
+    for r, v in enumerate(vals):
+        if len(set(v)) < len(v):  # topk leaves the order of equal values unspecified: settle it by token id
+            vals[r], ids[r] = _ties_by_token_id(lp[r], support, v, ids[r], k)
+    return [v[:k] for v in vals], [t[:k] for t in ids]
+
+
+def _ties_by_token_id(row: torch.Tensor, support: torch.Tensor | None, vals: list[float], ids: list[int],
+                      k: int) -> tuple[list[float], list[int]]:
+    """The top k of one row (given its top k+1 in some order) with equal values ranked by token id, smaller
+    first; a value tied at the k-th place is looked up over the whole row, so the tokens kept do not depend on
+    which columns the row has (full vocabulary or a support)."""
+    kth = vals[k - 1]
+    ranked = sorted((-v, t) for v, t in zip(vals, ids) if v > kth)
+    if kth == float("-inf"):
+        # probability-0 candidates are never taken, so which of them fill the list does not matter
+        tied = sorted(t for v, t in zip(vals[:k], ids[:k]) if v == kth)
+    else:
+        cols = (row == kth).nonzero().flatten()
+        tied = sorted((cols if support is None else support.to(cols.device)[cols]).tolist())
+    ranked += [(-kth, t) for t in tied[:k - len(ranked)]]
+    return [-v for v, _ in ranked], [t for _, t in ranked]
 
 
 def universe_size(depth: int, top_k_per_position: int) -> int:
@@ -49,29 +109,37 @@ def universe_size(depth: int, top_k_per_position: int) -> int:
 
 
 def build_tree(logprobs: torch.Tensor, width: int, top_k_per_position: int | None = None, *,
-               top_k: int | None = None) -> Tree:
+               top_k: int | None = None, support: torch.Tensor | None = None) -> Tree:
     """The `width` highest-scoring strings of the universe of the top `top_k_per_position` tokens at each
     position, as a prefix-closed tree (`top_k`: the parameter's earlier name, still accepted).
 
-    Widths beyond the universe are clamped to it. Ties go to the shallower node (a prefix never loses to its
-    extension), then to the earlier-found node.
+    `logprobs` is [L, V] over the whole vocabulary, or with `support` (token ids [S]) [L, S] over those tokens
+    only, every other token having probability 0: the tree is the same either way. Widths beyond the universe
+    are clamped to it. Ties go to the shallower node (a prefix never loses to its extension), then to the
+    earlier-found node.
     """
     if (top_k is None) == (top_k_per_position is None):
         raise TypeError("build_tree() takes top_k_per_position (or its earlier name top_k), exactly once")
-    return build_forest([logprobs], width, top_k if top_k is not None else top_k_per_position)[0]
+    return build_forest([logprobs], width, top_k if top_k is not None else top_k_per_position,
+                        supports=[support])[0]
 
 
 def build_forest(logprobs: list[torch.Tensor], budget: int, top_k_per_position: int,
-                 max_width: list[int] | None = None) -> list[Tree]:
+                 max_width: list[int] | None = None,
+                 supports: list[torch.Tensor | None] | None = None) -> list[Tree]:
     """Global best-first selection over several requests sharing one budget of `budget` nodes in total.
 
     Every request's candidates compete in one heap, so the shared budget goes to the highest-scoring strings
-    wherever they are (unequal widths). `max_width` optionally caps each request. Strings of probability 0
-    (log-probability -inf) are never taken.
+    wherever they are (unequal widths). `max_width` optionally caps each request. `supports` optionally gives
+    each request's column token ids (None: its columns are the whole vocabulary), as in `build_tree`. Strings
+    of probability 0 (log-probability -inf) are never taken.
     """
     if budget < 0 or top_k_per_position < 1:
         raise ValueError(f"width must be >= 0 and top_k_per_position >= 1 (got {budget}, {top_k_per_position})")
-    tables = [_topk_lists(lp, top_k_per_position) for lp in logprobs]
+    supports = supports or [None] * len(logprobs)
+    if len(supports) != len(logprobs):
+        raise ValueError(f"one support per request: {len(supports)} supports for {len(logprobs)} requests")
+    tables = [_topk_lists(lp, top_k_per_position, sup) for lp, sup in zip(logprobs, supports)]
     out = [([], [], [], []) for _ in logprobs]
     caps = max_width or [budget] * len(logprobs)
     # entries: (-score, depth, tiebreak, request, parent_node, position_rank)
@@ -107,6 +175,6 @@ def build_forest(logprobs: list[torch.Tensor], budget: int, top_k_per_position: 
     return [Tree(*lists) for lists in out]
 
 
-def chain(logprobs: torch.Tensor) -> Tree:
+def chain(logprobs: torch.Tensor, support: torch.Tensor | None = None) -> Tree:
     """The standard DFlash chain: the top-1 token at every position."""
-    return build_tree(logprobs, logprobs.shape[0], 1)
+    return build_tree(logprobs, logprobs.shape[0], 1, support=support)

@@ -10,7 +10,7 @@ from castspec.sequence import Sequence
 from castspec.engine import Engine
 from castspec.models.draft_vocab import DRAFT_VOCAB_FILE, save_draft_vocab
 from castspec.models.load import LoadError, load_drafter, save_drafter
-from castspec.tree import Tree
+from castspec.tree import Tree, build_tree
 from conftest import llama_config, make_hf, native, qwen3_config, random_drafter
 
 
@@ -51,7 +51,7 @@ class DecoyPolicy(Policy):
     def max_nodes(self, depth):
         return 24
 
-    def allocate(self, logprobs, prefixes):
+    def allocate(self, logprobs, prefixes, supports=None):
         n = self.emitted
         return [decoy_tree(self.truth[n:n + 4], 24)]
 
@@ -154,16 +154,24 @@ def test_draft_vocabulary_keeps_decoding_exact_and_round_trips(models, tmp_path)
     # the same head restricted and renormalized: -inf outside, log q(x | x in vocab) inside
     assert torch.isinf(lp[:, 1::2]).all()
     torch.testing.assert_close(lp[:, vocab], torch.log_softmax(full[:, vocab], dim=-1), rtol=1e-5, atol=1e-5)
+    # trees read the draft vocabulary's columns alone, with the token ids they stand for
+    m = sub.marginals(rows, target)
+    assert torch.equal(m.full, lp) and torch.equal(m.on_support, lp[:, vocab]) and torch.equal(m.support, vocab)
+    assert drafter.marginals(rows, target).support is None
     g = torch.Generator().manual_seed(9)
     accepted = 0
     for _ in range(6):
         prompt = torch.randint(0, V - 1, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
         ar = run(target, None, prompt, method="ar")
         for method, width in [("chain", "auto"), ("cast", 7), ("cast", 63)]:
-            stats = DecodeStats()
+            stats, trees = DecodeStats(), []
             out = [t for c in decode(target, sub, prompt, DecodeConfig(method=method, width=width, max_new_tokens=40),
-                                     stats) for t in c]
+                                     stats, on_round=lambda lp, tree, *_: trees.append((lp, tree))) for t in c]
             assert out == ar, (method, width)
+            # each round's tree (built on the support) is the tree of its full-vocabulary marginals
+            chain = method == "chain"
+            assert trees and all(tree == build_tree(lp, lp.shape[0] if chain else width, 1 if chain else 8)
+                                 for lp, tree in trees), (method, width)
             accepted += sum(r.accepted for r in stats.rounds)
     assert accepted > 0
     save_drafter(sub, tmp_path / "d")

@@ -1,4 +1,4 @@
-"""build_tree / build_forest against brute force over the top-K universe."""
+"""build_tree / build_forest against brute force over the top-K universe, and with a support (draft vocabulary)."""
 import itertools
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from castspec.tree import build_forest, build_tree, universe_size
+from castspec.tree import Marginals, build_forest, build_tree, universe_size
 
 
 def brute_force(logprobs: torch.Tensor, width: int, top_k: int):
@@ -104,3 +104,74 @@ def test_zero_probability_strings_are_never_taken():
     tree = build_tree(lp, 1000, 8)
     assert len(tree) == 4 + 16 + 64 and all(t < 4 for t in tree.tokens)
     assert all(s > float("-inf") for s in tree.scores)
+
+
+def on_support(L: int, V: int, S: int, step: float | None, g: torch.Generator):
+    """Random marginals that are -inf outside a support of S tokens (unsorted): the full [L, V] tensor, the
+    support's columns [L, S] and the support. `step` rounds the values to a grid, which makes many of them
+    equal (within a row, across rows and along paths)."""
+    support = torch.randperm(V, generator=g)[:S]
+    sub = torch.log_softmax(torch.randn(L, S, generator=g) * 2, dim=-1)
+    if step is not None:
+        sub = (sub / step).round() * step
+    full = torch.full((L, V), float("-inf")).index_copy_(1, support, sub)
+    return full, sub, support
+
+
+@settings(max_examples=80, deadline=None)
+@given(L=st.integers(1, 6), K=st.integers(1, 9), V=st.integers(2, 40), frac=st.floats(0.05, 1.0),
+       width=st.integers(0, 70), step=st.sampled_from([None, 0.5, 1.0, 3.0]), seed=st.integers(0, 10_000))
+def test_support_gives_the_same_trees(L, K, V, frac, width, step, seed):
+    """The top K over a support's columns, mapped back to token ids, builds the tree the full tensor builds:
+    same tokens, parents, depths and scores, ties included."""
+    g = torch.Generator().manual_seed(seed)
+    full, sub, support = on_support(L, V, max(1, int(frac * V)), step, g)
+    tree = build_tree(full, width, K)
+    assert build_tree(sub, width, K, support=support) == tree
+    assert all(t in set(support.tolist()) for t in tree.tokens)
+
+
+@pytest.mark.parametrize("L,K,V,S", [(15, 8, 2000, 300), (8, 4, 500, 500), (15, 2, 64, 5), (3, 8, 40, 6)])
+@pytest.mark.parametrize("step", [None, 0.25])
+def test_support_gives_the_same_trees_at_decoding_sizes(L, K, V, S, step):
+    g = torch.Generator().manual_seed(L * V + S)
+    full, sub, support = on_support(L, V, S, step, g)
+    for width in (1, 3, 7, 15, 63, 127):
+        assert build_tree(sub, width, K, support=support) == build_tree(full, width, K), width
+
+
+def test_forest_with_supports_equals_forest_of_full_marginals():
+    g = torch.Generator().manual_seed(11)
+    requests = [on_support(6, 300, s, step, g) for s, step in ((40, None), (300, 0.5), (7, None), (90, 1.0))]
+    fulls = [f for f, _, _ in requests]
+    # a mix: some requests with their support, one (a drafter without a draft vocabulary) with the full tensor
+    lps = [sub for _, sub, _ in requests[:3]] + [fulls[3]]
+    supports = [sup for _, _, sup in requests[:3]] + [None]
+    for budget, caps in ((40, None), (200, [15, 15, 63, 63]), (7, [3, 3, 3, 3])):
+        assert build_forest(lps, budget, 8, caps, supports) == build_forest(fulls, budget, 8, caps)
+
+
+def test_equal_log_probabilities_rank_by_token_id():
+    row = torch.tensor([[-2.0, -1.0, -3.0, -1.0, -2.0, -1.0, -2.0]])
+    assert build_tree(row, 4, 4).tokens == [1, 3, 5, 0]  # the smallest id among the -2.0s takes the 4th place
+    assert build_tree(row, 2, 2).tokens == [1, 3]
+    support = torch.tensor([6, 4, 2, 3, 1, 0, 5])  # unsorted columns: the rule goes by token id, not by column
+    assert build_tree(row[:, support], 4, 4, support=support) == build_tree(row, 4, 4)
+    assert build_tree(row[:, support], 7, 7, support=support).tokens == [1, 3, 5, 0, 4, 6, 2]
+
+
+def test_support_must_match_the_columns():
+    with pytest.raises(ValueError, match="one token id per column"):
+        build_tree(torch.zeros(3, 4), 4, 2, support=torch.arange(5))
+    with pytest.raises(ValueError, match="one support per request"):
+        build_forest([torch.zeros(3, 4)] * 2, 4, 2, supports=[None])
+
+
+def test_marginals_split_per_request():
+    g = torch.Generator().manual_seed(2)
+    full, sub, support = on_support(7, 50, 12, None, g)
+    parts = Marginals(full, sub, support).split([3, 4])
+    assert [p.full.shape[0] for p in parts] == [3, 4] and all(p.support is support for p in parts)
+    assert torch.equal(parts[1].on_support, sub[3:]) and torch.equal(parts[1].full, full[3:])
+    dense = Marginals.dense(full).split([5, 2])
+    assert dense[0].support is None and dense[0].on_support is dense[0].full

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..config import DrafterConfig
 from ..native.dispatch import NativeSwitch
 from ..native.linear import WeightPack, linear
+from ..tree import Marginals
 from .kvcache import KVCache, cache_dtype
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 
@@ -91,14 +92,19 @@ class DFlashDrafter(nn.Module):
         """log q_j over the full vocabulary [..., V] (fp32) for final-normed block rows [..., H], through the
         target's lm_head; with a draft vocabulary only its rows of the head are read and every other token
         gets -inf (probability 0)."""
+        return self.marginals(rows, target).full
+
+    def marginals(self, rows: torch.Tensor, target) -> Marginals:
+        """`draft_logprobs` for block rows [N, H], together with its support: with a draft vocabulary, the
+        log-probabilities of its tokens alone [N, S] (fp32) and their ids, which is all a tree needs."""
         if self.draft_vocab is None:
-            return torch.log_softmax(target.vocab_scores(rows).float(), dim=-1)
+            return Marginals.dense(torch.log_softmax(target.vocab_scores(rows).float(), dim=-1))
         head = target.head_weight
         if self._sub_head is None or self._sub_head[0] is not head:
             self._sub_head = (head, head.index_select(0, self.draft_vocab).contiguous())
         sub = torch.log_softmax(linear(rows, self._sub_head[1], None, self._sub_pack).float(), dim=-1)
         out = torch.full((*rows.shape[:-1], head.shape[0]), float("-inf"), device=rows.device)
-        return out.index_copy_(-1, self.draft_vocab, sub)
+        return Marginals(out.index_copy_(-1, self.draft_vocab, sub), sub, self.draft_vocab)
 
     @property
     def dtype(self) -> torch.dtype:
