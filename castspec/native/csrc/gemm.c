@@ -13,9 +13,10 @@
  *   fp32: [O/16][I][16].
  * O is padded to whole panels with zero columns, which are computed and never stored.
  *
- * Every output is one accumulator updated in order along I, from zero, one instruction per step: the same
- * instructions in the same order whatever M is, wherever the row sits in the call and whichever tile or thread
- * computes it. So a row's result depends only on that row (the bit-exactness of issue 16 rests on it).
+ * Every output is computed by the same instructions in the same order whatever M is, wherever the row sits in
+ * the call and whichever tile or thread computes it: along I in order (bf16: in chunks of KCHUNK pairs, each
+ * summed from zero and added to the output in order). So a row's result depends only on that row (the
+ * bit-exactness of issue 16 rests on it).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -24,27 +25,38 @@
 #include "simd.h"
 
 #define MAX_R 8  /* rows per tile */
+/* bf16 sums run in chunks of this many k-pairs (32 inputs, an AMX tile's depth), each from zero, added to the
+ * output in order: a long sum's rounding error grows with its number of sequential additions, and one chain over
+ * all of I lost accuracy against fp32 (greedy agreement, docs/performance.md). */
+#define KCHUNK 16
 #define BLOCK 24 /* panels per block: a multiple of every tile width below */
 
 /* One tile: R rows x NB panels, both constants at every call site (the accumulators stay in registers). */
 static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, int64_t pstride, int I2,
                                                             const uint32_t *X, int64_t ldx2, int R, int NB,
                                                             float *Y, int64_t ldy, int64_t valid) {
-    __m512 acc[MAX_R][8];
-    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
-        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-    for (int p = 0; p < I2; ++p) {
-        __m512bh w[8];
-        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
-            w[b] = (__m512bh)_mm512_loadu_si512(P + b * pstride + (int64_t)p * 32);
-        UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
-            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)X[r * ldx2 + p]);
-            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], x, w[b]);
+    for (int p0 = 0; p0 < I2; p0 += KCHUNK) {
+        const int pe = I2 - p0 < KCHUNK ? I2 : p0 + KCHUNK;
+        __m512 acc[MAX_R][8];
+        UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+        for (int p = p0; p < pe; ++p) {
+            __m512bh w[8];
+            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
+                w[b] = (__m512bh)_mm512_loadu_si512(P + b * pstride + (int64_t)p * 32);
+            UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)X[r * ldx2 + p]);
+                UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], x, w[b]);
+            }
         }
+        UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
+                if (valid > 16 * b) {
+                    const __mmask16 k = lanes(valid, 16 * b);
+                    float *y = Y + r * ldy + 16 * b;
+                    _mm512_mask_storeu_ps(y, k, p0 ? _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), acc[r][b]) : acc[r][b]);
+                }
     }
-    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
-        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
-            if (valid > 16 * b) _mm512_mask_storeu_ps(Y + r * ldy + 16 * b, lanes(valid, 16 * b), acc[r][b]);
 }
 
 static inline __attribute__((always_inline)) void tile_f32(const float *P, int64_t pstride, int I,
