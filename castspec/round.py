@@ -40,13 +40,18 @@ class SequenceOutput:
     accepted: int | None = None  # drafted tokens accepted; None when the sequence verified nothing this round
     tree: Tree | None = None  # the verified tree (empty in a round without a draft)
     path: list[int] = field(default_factory=list)  # the accepted pack rows
-    draft_logprobs: torch.Tensor | None = None  # the drafter's marginals [depth, V] when it drafted
+    draft_marginals: Marginals | None = None  # the drafter's marginals when it drafted
     token_logprobs: list = field(default_factory=list)  # sampling.TokenLogprob per emitted token (cfg.logprobs)
     error: Exception | None = None  # its own failure after the shared forward (the sequence is then done)
 
     @property
     def verified(self) -> bool:
         return self.accepted is not None
+
+    @property
+    def draft_logprobs(self) -> torch.Tensor | None:
+        """The drafter's marginals over the whole vocabulary [depth, V] when it drafted (made on first use)."""
+        return None if self.draft_marginals is None else self.draft_marginals.full
 
 
 @dataclass
@@ -108,7 +113,7 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     if drafted:
         out.draft_ms = (clock() - t) * 1e3
     for o, m in zip(out.sequences, marginals):
-        o.draft_logprobs = None if m is None else m.full
+        o.draft_marginals = m
 
     t = clock()
     trees = plan_trees(policy, seqs, marginals)
@@ -224,7 +229,7 @@ def commit(seqs: list[Sequence], rows: Rows, logits: torch.Tensor, feats: torch.
                                                    f)
             else:
                 o.emitted, o.path = s.commit(part.tree, logits[lrow:lrow + n], greedy[lrow:lrow + n], f,
-                                             o.draft_logprobs)
+                                             o.draft_marginals)
                 o.accepted, o.tree = len(o.path), part.tree
                 if policy is not None and len(part.tree):
                     policy.observe(part.tree, o.path)

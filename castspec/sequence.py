@@ -181,17 +181,17 @@ class Sequence:
         return pack, Segment(self.cache, P, len(tree) + 1, pack.mask)
 
     def commit(self, tree: Tree, logits: torch.Tensor, greedy: list[int] | None, feats: torch.Tensor | None,
-               draft_logprobs: torch.Tensor | None) -> tuple[list[int], list[int]]:
+               draft: Marginals | None) -> tuple[list[int], list[int]]:
         """Walk the verified tree, keep root + accepted path in the caches, set the next root.
 
-        logits [N+1, V] are this pack's rows (greedy: their argmaxes). Returns (emitted tokens after stop
-        handling, accepted pack rows)."""
+        logits [N+1, V] are this pack's rows (greedy: their argmaxes); `draft` the drafter's marginals (read by
+        rejection sampling only). Returns (emitted tokens after stop handling, accepted pack rows)."""
         self.new_logprobs = []
         if self.sampler is None or self.cfg.verifier == "coupled":
             path, nxt = walk(tree, self._picker(logits, greedy))
         else:
-            path, nxt = sampled_walk(tree, logits.cpu(), draft_logprobs, self.sampler, self.cfg.verifier == "direct",
-                                     self.history)
+            path, nxt = sampled_walk(tree, logits.cpu(), None if draft is None else draft.full, self.sampler,
+                                     self.cfg.verifier == "direct", self.history)
         P = self.prefix_len
         keep = [0, *path]
         if keep[-1] != len(keep) - 1:  # accepted rows are not already contiguous after the root: gather

@@ -12,7 +12,7 @@ path even at N = 127.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,30 +38,40 @@ class Tree:
         return Tree([], [], [], [])
 
 
-@dataclass(frozen=True)
+@dataclass
 class Marginals:
     """A drafted block's per-position log-probabilities, as a round passes them on.
 
-    `full` [L, V] covers the whole target vocabulary (what sampling reads). `on_support` [L, S] holds the same
-    values at the token ids `support` [S], in that order; every token outside the support has log-probability
-    -inf in `full`. Without a draft vocabulary `support` is None and `on_support` is `full` itself. Trees are
-    built from (`on_support`, `support`).
+    `on_support` [L, S] holds the log-probabilities of the token ids `support` [S], in that order; every other
+    token of the `vocab_size` has log-probability -inf. Without a draft vocabulary `support` is None and
+    `on_support` covers the whole vocabulary. Trees are built from (`on_support`, `support`); `full` [L, V], the
+    whole-vocabulary tensor that sampling reads, is made on first use only: a greedy round never needs it, and for
+    a batch of requests it is tens of megabytes to fill.
     """
 
-    full: torch.Tensor
     on_support: torch.Tensor
     support: torch.Tensor | None = None
+    vocab_size: int | None = None
+    _full: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def dense(cls, full: torch.Tensor) -> "Marginals":
         """Marginals that may give any token a positive probability."""
-        return cls(full, full, None)
+        return cls(full, None, full.shape[-1], full)
+
+    @property
+    def full(self) -> torch.Tensor:
+        if self._full is None:
+            out = torch.full((*self.on_support.shape[:-1], self.vocab_size), float("-inf"),
+                             device=self.on_support.device)
+            self._full = out.index_copy_(-1, self.support.to(out.device), self.on_support)
+        return self._full
 
     def split(self, depths: list[int]) -> list["Marginals"]:
         """Per-request marginals of a batched pass whose rows are the requests' blocks one after the other."""
         if self.support is None:
-            return [Marginals.dense(f) for f in self.full.split(depths)]
-        return [Marginals(f, s, self.support) for f, s in zip(self.full.split(depths), self.on_support.split(depths))]
+            return [Marginals.dense(f) for f in self.on_support.split(depths)]
+        return [Marginals(s, self.support, self.vocab_size) for s in self.on_support.split(depths)]
 
 
 def _topk_lists(logprobs: torch.Tensor, k: int,

@@ -170,7 +170,9 @@ def test_support_must_match_the_columns():
 def test_marginals_split_per_request():
     g = torch.Generator().manual_seed(2)
     full, sub, support = on_support(7, 50, 12, None, g)
-    parts = Marginals(full, sub, support).split([3, 4])
+    whole = Marginals(sub, support, full.shape[-1])
+    assert torch.equal(whole.full, full)  # the whole-vocabulary tensor, made on first use
+    parts = whole.split([3, 4])
     assert [p.full.shape[0] for p in parts] == [3, 4] and all(p.support is support for p in parts)
     assert torch.equal(parts[1].on_support, sub[3:]) and torch.equal(parts[1].full, full[3:])
     dense = Marginals.dense(full).split([5, 2])

@@ -103,8 +103,7 @@ class DFlashDrafter(nn.Module):
         if self._sub_head is None or self._sub_head[0] is not head:
             self._sub_head = (head, head.index_select(0, self.draft_vocab).contiguous())
         sub = torch.log_softmax(linear(rows, self._sub_head[1], None, self._sub_pack).float(), dim=-1)
-        out = torch.full((*rows.shape[:-1], head.shape[0]), float("-inf"), device=rows.device)
-        return Marginals(out.index_copy_(-1, self.draft_vocab, sub), sub, self.draft_vocab)
+        return Marginals(sub, self.draft_vocab, head.shape[0])
 
     @property
     def dtype(self) -> torch.dtype:
