@@ -159,9 +159,24 @@ def test_tokenizing_a_long_prompt_does_not_block_other_clients(engine):
     assert slowest < HEALTH_S
 
 
+def slow_template(engine, seconds: float) -> tuple[str, float]:
+    """A chat template whose render takes at least `seconds` on this machine, and the time one render took."""
+    outer = 1000
+    while True:
+        slow = ("{% for i in range(" + str(outer) + ") %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
+                "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}<assistant>")
+        t = time.perf_counter()
+        engine.encode(messages=MSG, chat_template_kwargs={"chat_template": slow})
+        took = time.perf_counter() - t
+        if took >= seconds:
+            return slow, took
+        outer = int(outer * min(8.0, 1.2 * seconds / max(took, 1e-3)))
+
+
 def test_request_chat_templates_run_off_the_event_loop_when_the_operator_allows_them(engine):
-    slow = ("{% for i in range(15000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
-            "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}<assistant>")
+    # sized on the machine that runs the test: a fixed loop count renders too fast on a fast CPU to tell a
+    # blocked /health from a free one
+    slow, render_s = slow_template(engine, seconds=3 * HEALTH_S)
     with serve(engine, allow_request_chat_template=True) as u:
         t = time.perf_counter()
         r, slowest = while_health(u, lambda: post(u, CHAT, {"messages": MSG, "max_tokens": 4, "temperature": 0,
@@ -169,7 +184,8 @@ def test_request_chat_templates_run_off_the_event_loop_when_the_operator_allows_
         took = time.perf_counter() - t
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(engine.encode(messages=MSG))
-        assert took > 0.5 and slowest < HEALTH_S and slowest < took / 3  # /health did not wait for the render
+        # the server rendered it (the request lasted about one render) and /health did not wait for the render
+        assert took > render_s / 2 and slowest < HEALTH_S and slowest < took / 3
         bad = post(u, CHAT, {"messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 1 / 0 }}"}})
         assert bad.status_code == 400 and "could not tokenize" in bad.json()["error"]["message"]
         bad = post(u, CHAT, {"messages": MSG, "chat_template_kwargs": {"chat_template": "{% for %}"}})
