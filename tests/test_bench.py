@@ -7,6 +7,7 @@ import pytest
 
 from castspec.bench import agreement
 from castspec.bench import engine as engine_bench
+from castspec.bench import products as products_bench
 from castspec.bench.harness import MethodSpec, builtin_prompts
 from castspec.bench.stats import paired_bootstrap
 from castspec.cli import main
@@ -109,6 +110,25 @@ def test_engine_benchmark_end_to_end(tmp_path):
     # the per-matrix best of the kernels can only be at or below each kernel's own total
     assert 0 < gemv["best"] <= min(v for k, v in gemv.items() if k != "best")
     assert 0 < entry["host_share_cast63"]["host_share"] < 1
+
+
+def test_products_benchmark_end_to_end(tmp_path, capsys):
+    """`python -m castspec.bench.products` on a tiny HF directory: a time per kernel and row count, each with its
+    ratio to the floor of the same run; bad --rows is a one-line usage error."""
+    make_hf(llama_config(vocab=24)).save_pretrained(tmp_path / "target")
+    tiny_tokenizer(24).save_pretrained(tmp_path / "target")
+    out = tmp_path / "products.json"
+    assert products_bench.main(["--target", str(tmp_path / "target"), "--dtype", "fp32", "--rows", "1,3",
+                                "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["rows"] == [1, 3] and report["weight_bytes"] > 0 and len(report["floor_ms"]) == 2
+    assert "torch" in report["ms"]
+    for name, times in report["ms"].items():
+        assert len(times) == 2 and all(t > 0 for t in times)
+        assert report["ratio_to_floor"][name] == pytest.approx([t / f for t, f in zip(times, report["floor_ms"])])
+    with pytest.raises(SystemExit):
+        products_bench.main(["--rows", "1,x", "--out", str(out)])
+    assert "--rows must be positive integers" in capsys.readouterr().err
 
 
 def test_agreement_end_to_end(bench_dirs, tmp_path, capsys):
