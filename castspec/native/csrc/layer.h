@@ -333,11 +333,13 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
     const int d = m->head_dim, nh = m->heads, nq = nh * d, group = nh / m->kv_heads;
     const float scale = 1.f / sqrtf((float)d);
     /* work items: a row's query heads that share a key/value head, together (they share the loads), or one by
-     * one where there are too few rows to keep the threads busy; the bits are the same either way */
+     * one where there are too few rows to keep the threads busy; the bits are the same either way. Items run
+     * head by head over the rows, so a thread's consecutive items read the same keys and values (a tree's rows
+     * share their prefix) while they are still in its cache. */
     const int G = M * m->kv_heads >= 2 * omp_get_max_threads() && group <= 64 ? group : 1, items = M * (nh / G);
 #pragma omp parallel for schedule(static) if ((int64_t)M * rows[0].n >= 64)
     for (int it = 0; it < items; ++it) {
-        const int r = it / (nh / G), h = (it % (nh / G)) * G;
+        const int r = it % M, h = (it / M) * G;
         const RowAttn *a = &rows[r];
         attend_heads(q + r * ldq + h * d, G, a->K + (h / group) * a->head_stride, a->V + (h / group) * a->head_stride,
                      a->n, a->keys, d, scale, probs + ((int64_t)r * nh + h) * S16, S16,
