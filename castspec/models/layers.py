@@ -177,12 +177,13 @@ class QKVProjection(nn.Module):
         grouped = self.heads != self.kv_heads
         if not q.is_cuda:
             return self._attention(q, k, v, mask, causal, grouped)
-        if grouped and mask is not None:
-            # CUDA's flash and memory-efficient kernels take no grouped heads with a mask (only the math one
-            # does): spelled-out key/value heads let the memory-efficient kernel run a tree's masked rows
-            k, v = repeat_kv(k, self.heads // self.kv_heads), repeat_kv(v, self.heads // self.kv_heads)
-            grouped = False
         with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            if grouped and mask is not None:
+                # CUDA's flash and memory-efficient kernels take no grouped heads with a mask (only the math one
+                # does): the query heads that share a key/value head become rows of that head instead, so the
+                # memory-efficient kernel runs a tree's masked rows (and every padded row of castspec/graphs.py)
+                # reading each key/value head once, not a copy per query head
+                return folded_attention(q, k, v, mask)
             return self._attention(q, k, v, mask, causal, grouped)
 
     @staticmethod
@@ -210,6 +211,19 @@ class QKVProjection(nn.Module):
             outs.append(self.sdpa(q[:, :, off:end], ks, vs, seg.mask, seg.causal))
             off = end
         return self.output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
+
+
+def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked grouped-query attention as plain attention over the key/value heads: q [B,h,T,d] -> [B,kv,g*T,d]
+    (query head i = j*g + r reads key/value head j, and becomes rows r*T .. r*T+T-1 of head j), the mask
+    [B|1,1,T,S] repeated for each of the g row groups. Every row attends exactly as in grouped attention."""
+    B, h, T, d = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    rows = q.reshape(B, kv, g * T, d)
+    m = mask.unsqueeze(2).expand(mask.shape[0], 1, g, T, mask.shape[-1]).reshape(mask.shape[0], 1, g * T, -1)
+    out = F.scaled_dot_product_attention(rows.to(k.dtype), k, v, attn_mask=m)
+    return out.view(B, h, T, d)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
