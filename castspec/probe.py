@@ -52,6 +52,8 @@ def engine_key(engine) -> dict:
         rows, draft_rows = native_step.max_rows(engine.dtype), native_step.draft_max_rows(engine.dtype)
         name += (f"-native{native.MAX_ROWS.get(engine.dtype, 0)}-rows{'any' if rows is None else rows}"
                  f"-draft{draft_rows or 'any'}-gemm{'-amx' if native.library().gemm_amx_on() else ''}")
+    if engine.target.graphs is not None:
+        name += "-graphs"  # padded, captured forwards cost something else than eager ones (castspec/graphs.py)
     drafter = "none"
     if engine.drafter is not None:
         # the drafter's shape, not only where it came from: a retrained drafter at the same path (a new
@@ -126,6 +128,7 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             draft_ms.append(_median_ms(_draft_call(target, drafter, [seq], L), reps, warmup, device)
                             if seq.draft is not None else 0.0)
             bar.update(1)
+            del seq  # castspec/graphs.py lends its static cache to one live sequence: the next prefix's
         host = {}
         cache_seq = Sequence(target, None, [0] * 8, DecodeConfig(method="ar", max_new_tokens=2), max(packed))
         # trees from the marginals real rounds build them from: on the device, and over the drafter's draft

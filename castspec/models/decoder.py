@@ -46,6 +46,8 @@ class Decoder(nn.Module):
         self.rope = RotaryTable(rope_parameters, cfg.head_dim, cfg.max_positions, hf_config, device)
         self._head_pack = WeightPack()
         self.backend = NativeSwitch.for_decoder()  # which code runs forward_segments: native or torch
+        # castspec/graphs.py: padded static-shape forwards (CUDA graphs) for one sequence's rounds, when enabled
+        self.graphs = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -60,6 +62,10 @@ class Decoder(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        if self.graphs is not None:  # the graphs' static cache when it is free (their forwards need it)
+            lent = self.graphs.lend(self, capacity, batch)
+            if lent is not None:
+                return lent
         c = self.cfg
         return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, cache_dtype(self.dtype, self.device), self.device)
 
@@ -93,6 +99,10 @@ class Decoder(nn.Module):
                          logit_rows: torch.Tensor | slice | None = None, taps: tuple[int, ...] = ()):
         """The ragged forward: the rows of ids/positions [B,T] are split, in order, into `segments`, each with
         its own cache, slots and mask (one request each when serving). Returns as `forward`."""
+        if self.graphs is not None:
+            out = self.graphs.run(self, ids, positions, segments, logit_rows, taps)
+            if out is not None:
+                return out
         return self.backend.run(self, self._torch_forward, ids, positions, segments, logit_rows, taps)
 
     def _torch_forward(self, ids, positions, segments: list[Segment], logit_rows, taps: tuple[int, ...]):

@@ -83,6 +83,7 @@ class DFlashDrafter(nn.Module):
         self._sub_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target head it came from, its rows)
         self._sub_pack = WeightPack()
         self.backend = NativeSwitch.for_drafter()  # which code runs forward_segments: native or torch
+        self.graphs = None  # castspec/graphs.py: padded static-shape passes (CUDA graphs), when enabled
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         self.draft_vocab = None if token_ids is None else token_ids.to(torch.long).to(self.fc.weight.device)
@@ -117,6 +118,10 @@ class DFlashDrafter(nn.Module):
         return clone.eval().requires_grad_(False)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        if self.graphs is not None:  # the graphs' static cache when it is free (their passes need it)
+            lent = self.graphs.lend(self, capacity, batch)
+            if lent is not None:
+                return lent
         c = self.cfg
         return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, cache_dtype(self.dtype, self.fc.weight.device),
                        self.fc.weight.device)
@@ -140,6 +145,10 @@ class DFlashDrafter(nn.Module):
     def forward_segments(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
                          ctx_pos: torch.Tensor, segments: list[DraftSegment]) -> torch.Tensor:
         """One pass for several requests: block and context rows are concatenated in segment order."""
+        if self.graphs is not None:
+            out = self.graphs.run(self, block_emb, block_pos, features, ctx_pos, segments)
+            if out is not None:
+                return out
         return self.backend.run(self, self._torch_forward, block_emb, block_pos, features, ctx_pos, segments)
 
     def _torch_forward(self, block_emb, block_pos, features, ctx_pos, segments: list[DraftSegment]) -> torch.Tensor:

@@ -26,6 +26,14 @@ class KVCache:
         self.capacity = capacity
         self.length = 0  # slots [0, length) hold committed entries
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """An empty cache whose entries live in existing tensors [layers, B, kv, capacity, d] (castspec/graphs.py
+        lends one static storage to one sequence after another: captured CUDA graphs use fixed addresses)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.capacity, cache.length = k, v, k.shape[3], 0
+        return cache
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [B,kv,T,d] at slots [start, start+T) and return the views over [0, start+T)."""
         end = start + k.shape[2]
