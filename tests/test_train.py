@@ -8,12 +8,13 @@ from castspec.cli import main
 from castspec.config import DecodeConfig
 from castspec.decode import decode
 from castspec.models.load import load_drafter
-from castspec.train.blocks import block_inputs, block_mask, chain_acceptance, parse_window_schedule, window_at
+from castspec.train.blocks import (block_inputs, block_mask, chain_acceptance, parse_window_schedule, teacher_rows,
+    window_at)
 from castspec.train.datagen import batched_generate
 from castspec.train.diagnose import diagnose, ngram_baselines
 from castspec.train.replay import committed_per_round, replay_r
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
-    init_drafter, scale_fc_init, sequence_loss, target_features, train)
+    init_drafter, scale_fc_init, sequence_loss, target_features, target_pass, train)
 from conftest import llama_config, make_hf, native
 
 
@@ -113,6 +114,41 @@ def test_every_drafter_parameter_gets_a_gradient(tiny_data):
     assert torch.equal(drafter.layers[0].self_attn.qkv_weight[k_rows][:drafter.layers[0].self_attn.k_proj.weight.shape[0]],
                        drafter.layers[0].self_attn.k_proj.weight)
     assert torch.equal(drafter.layers[0].mlp.gate_up_weight.chunk(2)[1], drafter.layers[0].mlp.up_proj.weight)
+
+
+def test_teacher_distributions_line_up_with_the_labels(tiny_data):
+    """The target's next-token distributions for the KL loss sit where the labels are: on greedy data (the
+    target's own responses) their argmax is the label at every labelled block position, and each row is a
+    normalized distribution; the features are those of the plain feature pass."""
+    target, records = tiny_data
+    cfg = tiny_config()
+    bs = cfg.block_size
+    for i, rec in enumerate(records[:4]):
+        tokens = torch.tensor(rec["prompt_ids"] + rec["response_ids"])
+        anchors = draw_anchors(rec, cfg, torch.Generator().manual_seed(i))
+        feats, teacher = target_pass(target, tokens, [0, 2], teacher_rows(anchors, bs, tokens.numel()))
+        assert torch.equal(feats, target_features(target, tokens, [0, 2]))
+        _, _, labels = block_inputs(tokens, anchors, bs, 31, torch.arange(tokens.numel()) >= len(rec["prompt_ids"]))
+        assert teacher.shape == (*labels.shape, 32)
+        assert torch.equal(teacher.argmax(-1)[labels >= 0], labels[labels >= 0]) and (labels >= 0).any()
+        assert torch.allclose(teacher.logsumexp(-1), torch.zeros(labels.shape), atol=1e-5)
+
+
+def test_kl_loss_mixes_linearly_with_cross_entropy_and_trains(tiny_data, tmp_path):
+    target, records = tiny_data
+    drafter = init_drafter(target, drafter_config_for(target, tiny_config(), ROPE), from_target=False, seed=0)
+    anchors = draw_anchors(records[0], tiny_config(), torch.Generator().manual_seed(0))
+    w = decay_weights(tiny_config().block_size - 1, 7.0)
+    losses = {a: sequence_loss(target, drafter, records[0], anchors, tiny_config(kl_weight=a), w)[0]
+              for a in (0.0, 0.5, 1.0)}
+    assert losses[1.0] > 0 and losses[0.5].item() == pytest.approx((losses[0.0] + losses[1.0]).item() / 2, rel=1e-5)
+    losses[1.0].backward()
+    assert all(p.grad is not None for p in drafter.parameters())
+    state = train(target, records, tmp_path / "kl", tiny_config(steps=40, lr=1e-2, kl_weight=0.5), ROPE,
+                  progress=False)
+    assert state.history[-1]["loss"] < 0.8 * state.history[0]["loss"]
+    with pytest.raises(TrainError, match="kl-weight must be between 0 and 1"):
+        train(target, records, tmp_path / "bad", tiny_config(kl_weight=1.5), ROPE, progress=False)
 
 
 def test_scaled_fc_init_evens_out_feature_sizes(tiny_data):

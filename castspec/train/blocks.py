@@ -47,6 +47,13 @@ def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, m
     return ids, pos, labels
 
 
+def teacher_rows(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """[nb, bs-1]: the sequence row whose next-token distribution the target gives for each label of
+    block_inputs (the label at position a + j is predicted from row a + j - 1), clamped inside the sequence
+    (positions past it carry no label)."""
+    return (anchors.view(-1, 1) + torch.arange(block_size - 1).view(1, -1)).clamp(max=context_len - 1)
+
+
 def decay_weights(num_positions: int, gamma: float) -> torch.Tensor:
     """exp(-(k-1)/gamma) for block positions k = 1..L: early positions decide acceptance, so they weigh more."""
     k = torch.arange(1, num_positions + 1, dtype=torch.float)

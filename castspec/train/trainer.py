@@ -27,7 +27,7 @@ from ..models.decoder import Decoder
 from ..models.dflash import DFlashDrafter
 from ..models.load import save_drafter
 from .blocks import (block_inputs, block_mask, chain_acceptance, decay_weights, parse_window_schedule, sample_anchors,
-    window_at)
+    teacher_rows, window_at)
 from .distributed import Ranks
 
 log = logging.getLogger("castspec.train")
@@ -69,6 +69,10 @@ class TrainConfig:
     # step 0, a block row's attention starts spread over hundreds of context rows, so the root and the last
     # rows (what predicts the next tokens) get ~1/T of it and the drafter learns a topic average first
     context_windows: str = ""
+    # the loss: (1 - kl_weight) x cross-entropy on the target's tokens + kl_weight x KL(target || drafter) over
+    # the whole vocabulary at each block position. The target's full distribution says how close the runners-up
+    # were, which a tree's siblings and sampled decoding use; one-hot labels do not
+    kl_weight: float = 0.0
 
 
 def drafter_config_for(target: Decoder, cfg: TrainConfig, rope: dict) -> DrafterConfig:
@@ -171,9 +175,10 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors
     tokens = torch.tensor((prompt + response)[:cfg.max_seq_len])
     T, P = tokens.numel(), len(prompt)
     loss_mask = torch.arange(T) >= P
-    with torch.no_grad():
-        feats = target_features(target, tokens, drafter.cfg.target_layer_ids)
     bs = drafter.cfg.block_size
+    rows = teacher_rows(anchors, bs, T) if cfg.kl_weight > 0 else None
+    with torch.no_grad():
+        feats, teacher = target_pass(target, tokens, drafter.cfg.target_layer_ids, rows)
     ids, pos, labels = block_inputs(tokens, anchors, bs, drafter.cfg.mask_token_id, loss_mask)
     mask = block_mask(anchors, T, bs, window).view(1, 1, -1, T + ids.numel())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -184,18 +189,35 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
                          reduction="none").view(labels.shape)
     w = weights.view(1, -1) * (labels >= 0)
+    if teacher is not None:
+        kl = F.kl_div(F.log_softmax(logits, dim=-1), teacher, log_target=True, reduction="none").sum(-1)
+        ce = (1 - cfg.kl_weight) * ce + cfg.kl_weight * kl
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
     acc = chain_acceptance(logits.argmax(-1), labels)
     return loss, acc.float().mean().item()
 
 
 def target_features(target: Decoder, tokens: torch.Tensor, taps: list[int]) -> torch.Tensor:
+    """The target's tapped features of the sequence [1, T, taps * hidden]."""
+    return target_pass(target, tokens, taps)[0]
+
+
+def target_pass(target: Decoder, tokens: torch.Tensor, taps: list[int],
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's tapped features of the sequence [1, T, taps * hidden] and, for `rows` [nb, L] (teacher_rows),
+    its next-token log-probabilities there [nb, L, vocab] (None without rows). The same forward gives both:
+    only the distinct rows' logits are computed."""
     T = tokens.numel()
     cache = target.new_cache(T)
+    distinct, where = (rows.unique(return_inverse=True) if rows is not None else (None, None))
     with torch.inference_mode():
-        _, feats = target(tokens.view(1, -1).to(target.device), torch.arange(T).view(1, -1), cache, 0,
-                          causal=True, logit_rows=slice(0, 0), taps=tuple(taps))
-    return feats.clone()
+        logits, feats = target(tokens.view(1, -1).to(target.device), torch.arange(T).view(1, -1), cache, 0,
+                               causal=True, logit_rows=distinct if rows is not None else slice(0, 0),
+                               taps=tuple(taps))
+        teacher = None
+        if rows is not None:
+            teacher = F.log_softmax(logits.reshape(distinct.numel(), -1).float(), dim=-1)[where.to(logits.device)]
+    return feats.clone(), None if teacher is None else teacher.cpu().clone()
 
 
 @dataclass
@@ -242,6 +264,8 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
     for r in records[:50]:
         if max(r["prompt_ids"] + r["response_ids"], default=0) >= vocab:
             raise TrainError(f"data token ids exceed the target vocabulary ({vocab}): data made for another target?")
+    if not 0.0 <= cfg.kl_weight <= 1.0:
+        raise TrainError(f"--kl-weight must be between 0 and 1, not {cfg.kl_weight}")
     ranks = Ranks.current()
     if cfg.seqs_per_step < ranks.world:
         raise TrainError(f"{cfg.seqs_per_step} sequences per step cannot be shared by {ranks.world} ranks: "
