@@ -206,7 +206,7 @@ def load(target=None, drafter=None, device: str = "cpu", dtype: str | torch.dtyp
 
     drafter=None uses the drafter shipped for the default target when there is one; otherwise chain/cast need
     an explicit drafter directory. graphs: the padded static-shape forwards of castspec/graphs.py (None: the
-    default GraphConfig, on for CUDA, where they are captured as CUDA graphs, off elsewhere).
+    default GraphConfig, off; GraphConfig(mode="auto") captures them as CUDA graphs on CUDA).
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():

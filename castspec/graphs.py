@@ -45,7 +45,9 @@ MODES = ("auto", "on", "off")
 @dataclass(frozen=True)
 class GraphConfig:
     """mode: "auto" pads and captures on CUDA and stays off elsewhere; "on" pads everywhere (captured on CUDA,
-    eager elsewhere: what the CPU tests run); "off" never.
+    eager elsewhere: what the CPU tests run); "off" never. "off" is the default until the captured graphs have
+    passed the exactness tests on a GPU (scripts/device_check.sh runs them with graphs on); pass
+    GraphConfig(mode="auto") to use them before that.
 
     buckets: the padded row counts of a verify pass (and of a drafter pass's new context rows), increasing;
     larger passes run eagerly. key_step: attention key lengths are rounded up to a multiple of it (a larger step
@@ -54,7 +56,7 @@ class GraphConfig:
     graphs where the device is CUDA (False: the padded forward eagerly, to compare). warmup: eager runs on a side
     stream before each capture (lazy kernel loading and library workspaces must not happen inside a capture)."""
 
-    mode: str = "auto"
+    mode: str = "off"
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     key_step: int = 512
     max_context: int = 8192

@@ -31,7 +31,9 @@ def test_buckets_and_key_lengths():
     odd = GraphConfig(buckets=(1, 3, 10), key_step=100)
     assert [odd.bucket(n) for n in (1, 2, 3, 4, 10, 11)] == [1, 3, 3, 10, 10, None]
     assert [odd.key_length(n, 250) for n in (1, 100, 101, 201)] == [100, 100, 200, 250]
-    assert not cfg.active("cpu") and cfg.active("cuda")  # auto: CUDA only, so CPU defaults are unchanged
+    assert not cfg.active("cpu") and not cfg.active("cuda")  # off until validated on a GPU
+    auto = GraphConfig(mode="auto")
+    assert not auto.active("cpu") and auto.active("cuda")  # auto: CUDA only, so CPU defaults are unchanged
     assert GraphConfig(mode="on").active("cpu") and not GraphConfig(mode="off").active("cuda")
     for bad in (dict(buckets=()), dict(buckets=(2, 2)), dict(buckets=(4, 2)), dict(buckets=(0, 1)),
                 dict(mode="always"), dict(key_step=0), dict(warmup=0), dict(max_context=-1)):

@@ -16,6 +16,7 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ def step_matrices(target) -> list[torch.Tensor]:
     return [*mats, target.head_weight]
 
 
-def _gemm_call(lib, w: torch.Tensor, rows: int):
+def _gemm_call(lib, w: torch.Tensor, rows: int) -> Callable[[], None]:
     """A closure running gemm.c's product of `rows` random rows by w (packed here), as layer.h calls it: inputs in
     the weight's dtype, padded with zero rows to a multiple of 16, fp32 sums out."""
     packed = pack_panels(w.detach())
@@ -44,7 +45,7 @@ def _gemm_call(lib, w: torch.Tensor, rows: int):
     y = torch.empty(rows, O)
     entry = lib.gemm_bf16_f32 if w.dtype == torch.bfloat16 else lib.gemm_f32
     args = (packed.data_ptr(), x.data_ptr(), y.data_ptr(), rows, O, I, x.stride(0), y.stride(0))
-    return lambda: entry(*args), (packed, x, y)
+    return lambda buffers=(packed, x, y): entry(*args)  # the default argument keeps the buffers alive
 
 
 def products_ms(target, rows: int, repeats: int) -> dict:
@@ -54,9 +55,7 @@ def products_ms(target, rows: int, repeats: int) -> dict:
     kernels = {}
     lib = native.library()
     if lib is not None and all(packable(w) for w in mats):
-        calls = [_gemm_call(lib, w, rows) for w in mats]
-        kernels["gemm"] = [c for c, _ in calls]
-        keep = [k for _, k in calls]  # noqa: F841 - the buffers the closures point into
+        kernels["gemm"] = [_gemm_call(lib, w, rows) for w in mats]
     xs = [torch.randn(rows, w.shape[1]).to(w.dtype) for w in mats]
     kernels["torch"] = [(lambda x=x, w=w: F.linear(x, w)) for x, w in zip(xs, mats)]
     best = {name: [float("inf")] * len(mats) for name in kernels}
