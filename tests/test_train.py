@@ -7,6 +7,7 @@ import torch
 from castspec.cli import main
 from castspec.config import DecodeConfig
 from castspec.decode import decode
+from castspec.models.draft_vocab import save_draft_vocab
 from castspec.models.load import load_drafter
 from castspec.train.blocks import (block_inputs, block_mask, chain_acceptance, parse_window_schedule, teacher_rows,
     window_at)
@@ -71,6 +72,22 @@ def tiny_data():
     return target, [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_generate_equals_each_prompts_own_decode(tiny_data, temperature):
+    # continuous batching (3 at a time, newcomers prefilled beside the others' steps) changes no prompt's tokens:
+    # greedy, and sampled with seed 7 + i for prompt i; stop tokens are kept and end a response
+    target, records = tiny_data
+    prompts = [r["prompt_ids"] for r in records[:7]]
+    stops = {5, 9}
+    got = batched_generate(target, prompts, 25, stops, temperature=temperature, seed=7, batch_size=3,
+                           prefill_budget=8)
+    for i, (p, out) in enumerate(zip(prompts, got)):
+        cfg = DecodeConfig(method="ar", max_new_tokens=25, temperature=temperature,
+                           seed=7 + i if temperature else None, stop_token_ids=tuple(sorted(stops)))
+        assert out == [t for c in decode(target, None, p, cfg) for t in c]
+    assert any(out[-1] in stops for out in got) and any(len(out) == 25 for out in got)
+
+
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
@@ -94,6 +111,48 @@ def test_tiny_training_learns_and_decodes_exactly(tiny_data, tmp_path):
             out = [t for c in decode(target, drafter, rec["prompt_ids"], DecodeConfig(method=method, width=15, **cfg))
                    for t in c]
             assert out == ar
+
+
+@pytest.mark.parametrize("kl_weight", [0.0, 0.5])
+def test_a_draft_vocabulary_of_every_token_leaves_the_loss_unchanged(tiny_data, kl_weight):
+    target, records = tiny_data
+    cfg = tiny_config(kl_weight=kl_weight)
+    drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
+    anchors = draw_anchors(records[0], cfg, torch.Generator().manual_seed(0))
+    weights = decay_weights(cfg.block_size - 1, cfg.gamma)
+    full, acc = sequence_loss(target, drafter, records[0], anchors, cfg, weights)
+    drafter.set_draft_vocab(torch.arange(target.cfg.vocab_size))
+    every, acc_every = sequence_loss(target, drafter, records[0], anchors, cfg, weights)
+    torch.testing.assert_close(every, full)
+    assert acc_every == acc
+
+
+def test_training_on_a_draft_vocabulary_ignores_other_tokens_and_ships_it(tiny_data, tmp_path):
+    target, records = tiny_data
+    vocab = torch.arange(0, target.cfg.vocab_size, 2)  # even tokens only
+    src = tmp_path / "vocab"
+    src.mkdir()
+    save_draft_vocab(src, vocab)
+    cfg = tiny_config(steps=40, lr=1e-2, draft_vocab=str(src))
+    drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
+    drafter.set_draft_vocab(vocab)
+    anchors = draw_anchors(records[0], cfg, torch.Generator().manual_seed(0))
+    # odd labels carry no loss: a record whose response is all odd tokens has none at all
+    odd = dict(records[0], response_ids=[t | 1 for t in records[0]["response_ids"]])
+    zero, _ = sequence_loss(target, drafter, odd, anchors, cfg, decay_weights(cfg.block_size - 1, cfg.gamma))
+    assert zero.item() == 0.0
+    state = train(target, records, tmp_path / "run", cfg, ROPE, progress=False)
+    losses = [h["loss"] for h in state.history]
+    assert losses[-1] < 0.8 * losses[0]
+    shipped = load_drafter(tmp_path / "run" / "drafter", target, dtype=torch.float32)
+    assert torch.equal(shipped.draft_vocab, vocab)
+    rec = records[1]
+    ar = [t for c in decode(target, None, rec["prompt_ids"], DecodeConfig(method="ar", max_new_tokens=30)) for t in c]
+    out = [t for c in decode(target, shipped, rec["prompt_ids"], DecodeConfig(method="cast", width=15,
+                                                                                  max_new_tokens=30)) for t in c]
+    assert out == ar
+    with pytest.raises(TrainError, match="draft-vocab"):
+        train(target, records, tmp_path / "bad", tiny_config(draft_vocab=str(tmp_path)), ROPE, progress=False)
 
 
 def test_every_drafter_parameter_gets_a_gradient(tiny_data):

@@ -1,21 +1,25 @@
 """Training data = the target's own responses to many prompts, stored as token ids with a response mask.
 
-Generation is batched (left-padded rows in one static cache), sharded and resumable: each shard is written
-atomically once its batch is done, and a rerun skips the shards that exist. Rows are sorted by prompt length
-within a shard window so that padding stays small.
+Generation is batched (continuous batching over the decoding rounds), sharded and resumable: each shard is
+written atomically once its batch is done, and a rerun skips the shards that exist.
 """
 from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ..config import DecodeConfig
+from ..decode import raise_error
 from ..models.decoder import Decoder
 from ..prompts import Prompt
+from ..round import run_round
+from ..sequence import Sequence
 
 
 @dataclass
@@ -28,52 +32,33 @@ class DataGenConfig:
 
 
 def batched_generate(target: Decoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                     temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
-    """Greedy (or sampled) continuations of several prompts at once; each stops at its first stop id."""
-    device = target.device
-    B, T = len(prompts), max(len(p) for p in prompts)
-    pad = [T - len(p) for p in prompts]
-    ids = torch.zeros(B, T, dtype=torch.long)
-    valid = torch.zeros(B, T + max_new_tokens, dtype=torch.bool)
-    for r, p in enumerate(prompts):
-        ids[r, pad[r]:] = torch.tensor(p)
-        valid[r, pad[r]:T] = True
-    pos = (torch.arange(T).view(1, -1) - torch.tensor(pad).view(-1, 1)).clamp(min=0)
-    # padded rows see themselves so that no softmax row is empty (their outputs are never read)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    mask = (causal & valid[:, None, :T]) | torch.eye(T, dtype=torch.bool)
-    cache = target.new_cache(T + max_new_tokens, batch=B)
-    out: list[list[int]] = [[] for _ in range(B)]
-    live = list(range(B))  # original row of each batch row still generating
+                     temperature: float = 0.0, seed: int = 0, batch_size: int = 0,
+                     prefill_budget: int = 512) -> list[list[int]]:
+    """The target's continuations of several prompts: greedy, or sampled with seed `seed + i` for prompt i; each
+    ends at its first stop id (kept) or after `max_new_tokens`.
+
+    Continuous batching over `run_round`, as the server's `ar` does: the same ragged rounds and native forwards,
+    so the tokens are the ones castspec decoding serves: each prompt's are those of its own `ar` decode, alone or
+    in any batch. At most `batch_size` sequences (0: all) decode at once; a finished one's place goes to the next
+    prompt, whose prompt is read in chunks of the round's `prefill_budget` beside the others' steps.
+    """
+    stops = tuple(sorted(stop_ids))
+    out: list[list[int]] = [[] for _ in prompts]
+    waiting = deque(range(len(prompts)))
+    live: list[tuple[int, Sequence]] = []
+    limit = batch_size or len(prompts)
     with torch.inference_mode():
-        logits, _ = target(ids.to(device), pos.to(device), cache, 0, mask=mask[:, None].to(device),
-                           logit_rows=slice(-1, None))
-        next_pos = torch.tensor([len(p) for p in prompts]).view(-1, 1)
-        for step in range(max_new_tokens):
-            last = logits[:, -1]
-            if temperature > 0:
-                tok = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator).view(-1)
-            else:
-                tok = last.argmax(-1)
-            tok = tok.cpu()
-            keep = []
-            for b, r in enumerate(live):
-                t = int(tok[b])
-                out[r].append(t)
-                if t not in stop_ids:
-                    keep.append(b)
-            if not keep or step == max_new_tokens - 1:
-                break
-            if len(keep) < len(live):  # drop finished rows so they stop costing compute
-                idx = torch.tensor(keep)
-                cache.k, cache.v = cache.k[:, idx.to(device)], cache.v[:, idx.to(device)]
-                valid, next_pos, tok = valid[idx], next_pos[idx], tok[idx]
-                live = [live[b] for b in keep]
-            slot = T + step
-            valid[:, slot] = True
-            logits, _ = target(tok.view(-1, 1).to(device), next_pos.to(device), cache, slot,
-                               mask=valid[:, None, None, :slot + 1].to(device))
-            next_pos += 1
+        while waiting or live:
+            while waiting and len(live) < limit:
+                i = waiting.popleft()
+                cfg = DecodeConfig(method="ar", max_new_tokens=max_new_tokens, temperature=temperature,
+                                   seed=seed + i if temperature > 0 else None, stop_token_ids=stops)
+                live.append((i, Sequence(target, None, prompts[i], cfg)))
+            result = run_round(target, None, [s for _, s in live], None, prefill_budget)
+            for (i, _), o in zip(live, result.sequences):
+                raise_error(o)
+                out[i].extend(o.emitted)
+            live = [(i, s) for i, s in live if not s.done]
     return out
 
 
@@ -110,9 +95,8 @@ def generate_dataset(target: Decoder, tokenizer, prompts: list[Prompt], out_dir:
             continue
         if limit_tokens is not None and summary["response_tokens"] >= limit_tokens:
             break
-        gen = torch.Generator().manual_seed(cfg.seed * 100003 + b)
         responses = batched_generate(target, [encoded[i] for i in rows], cfg.max_new_tokens, stop_ids,
-                                     cfg.temperature, gen)
+                                     cfg.temperature, seed=cfg.seed * 100003 + b * cfg.batch_size)
         records = [{"prompt_ids": encoded[i], "response_ids": resp, "domain": prompts[i].domain,
                     "source": prompts[i].source, "id": prompts[i].id} for i, resp in zip(rows, responses)]
         tmp = path.with_suffix(".tmp")

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from ..config import DrafterConfig, default_tap_layers
 from ..models.decoder import Decoder
 from ..models.dflash import DFlashDrafter
+from ..models.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from ..models.load import save_drafter
 from .blocks import (block_inputs, block_mask, chain_acceptance, decay_weights, parse_window_schedule, sample_anchors,
     teacher_rows, window_at)
@@ -70,9 +71,13 @@ class TrainConfig:
     # rows (what predicts the next tokens) get ~1/T of it and the drafter learns a topic average first
     context_windows: str = ""
     # the loss: (1 - kl_weight) x cross-entropy on the target's tokens + kl_weight x KL(target || drafter) over
-    # the whole vocabulary at each block position. The target's full distribution says how close the runners-up
-    # were, which a tree's siblings and sampled decoding use; one-hot labels do not
+    # the whole vocabulary (or the draft vocabulary) at each block position. The target's full distribution says
+    # how close the runners-up were, which a tree's siblings and sampled decoding use; one-hot labels do not
     kl_weight: float = 0.0
+    # a drafter directory whose draft vocabulary (models/draft_vocab.py) the drafter is trained on: the loss is
+    # over those tokens alone, normalized over them as decoding normalizes q (labels outside it are ignored),
+    # the head product reads a fraction of the target's lm_head, and the exports carry the vocabulary
+    draft_vocab: str | None = None
 
 
 def drafter_config_for(target: Decoder, cfg: TrainConfig, rope: dict) -> DrafterConfig:
@@ -154,6 +159,17 @@ def warm_start(drafter: DFlashDrafter, path: Path) -> None:
         drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
 
 
+def draft_vocab_of(path: Path, vocab_size: int) -> torch.Tensor:
+    """The draft vocabulary of the drafter directory `path` (TrainConfig.draft_vocab)."""
+    try:
+        ids = read_draft_vocab(path, vocab_size)
+    except ValueError as e:
+        raise TrainError(f"--draft-vocab: {e}") from None
+    if ids is None:
+        raise TrainError(f"--draft-vocab: {path} holds no {DRAFT_VOCAB_FILE} (make one with `castspec draft-vocab`)")
+    return ids
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -180,12 +196,15 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors
     with torch.no_grad():
         feats, teacher = target_pass(target, tokens, drafter.cfg.target_layer_ids, rows)
     ids, pos, labels = block_inputs(tokens, anchors, bs, drafter.cfg.mask_token_id, loss_mask)
+    head = target.head_weight
+    if drafter.draft_vocab is not None:
+        head, labels, teacher = on_draft_vocab(drafter.draft_vocab, head, labels, teacher)
     mask = block_mask(anchors, T, bs, window).view(1, 1, -1, T + ids.numel())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
         emb = target.embed(ids.view(1, -1)).float()
         hidden = (model or drafter)(emb, pos.view(1, -1), feats.float(), torch.arange(T).view(1, -1), mask=mask)
         hidden = hidden.view(anchors.numel(), bs, -1)[:, 1:]
-        logits = F.linear(hidden, target.head_weight.to(hidden.dtype)).float()
+        logits = F.linear(hidden, head.to(hidden.dtype)).float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
                          reduction="none").view(labels.shape)
     w = weights.view(1, -1) * (labels >= 0)
@@ -195,6 +214,17 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
     acc = chain_acceptance(logits.argmax(-1), labels)
     return loss, acc.float().mean().item()
+
+
+def on_draft_vocab(vocab: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None):
+    """The loss's inputs restricted to a draft vocabulary (sorted token ids [S]): its rows of the head, the
+    labels as indices into it (-100 outside it) and the teacher's log-probabilities renormalized over it."""
+    index = torch.full((head.shape[0],), -100, dtype=torch.long)
+    index[vocab.cpu()] = torch.arange(vocab.numel())
+    labels = torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
+    if teacher is not None:
+        teacher = torch.log_softmax(teacher[..., vocab.cpu()], dim=-1)
+    return head.index_select(0, vocab.to(head.device)), labels, teacher
 
 
 def target_features(target: Decoder, tokens: torch.Tensor, taps: list[int]) -> torch.Tensor:
@@ -276,6 +306,8 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
         scale_fc_init(target, drafter, records[:16], cfg.max_seq_len)
     if cfg.init_from:
         warm_start(drafter, Path(cfg.init_from))
+    if cfg.draft_vocab:
+        drafter.set_draft_vocab(draft_vocab_of(Path(cfg.draft_vocab), dcfg.vocab_size))
     trainable = [p for p in drafter.parameters()]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
