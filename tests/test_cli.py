@@ -90,6 +90,9 @@ def test_help_for_every_subcommand():
     (["loadtest", "--policies", "fixed"], "needs a width"),
     (["loadtest", "--concurrency", "1,x"], "--concurrency is a comma list"),
     (["loadtest", "--concurrency", "0"], "must be >= 1"),
+    (["eval-drafter", "--drafter", "{root}/missing", "--sets", "heldout,mmlu"], "unknown prompt set 'mmlu'"),
+    (["train-drafter", "--data", "{root}/missing", "--out", "{root}/run", "--context-window", "8"],
+     "expected WINDOW:UNTIL_STEP"),
 ])
 def test_serving_commands_reject_bad_input_in_one_line(dirs, capsys, argv, message):
     code, out, err = run_cli(capsys, *[a.format(root=dirs) for a in argv])

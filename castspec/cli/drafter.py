@@ -9,6 +9,7 @@ import torch
 from ..engine import DTYPES, load
 from ..models.draft_vocab import coverage, save_draft_vocab, token_counts, top_tokens
 from ..models.load import load_drafter, load_target
+from ..prompts import EVAL_SETS
 from ..train.datagen import load_records, shard_files
 from ..train.diagnose import diagnose
 from ..train.evaluate import evaluate_drafter
@@ -52,11 +53,16 @@ def cmd_draft_vocab(args) -> int:
 
 
 def cmd_eval_drafter(args) -> int:
+    sets = [x.strip() for x in args.sets.split(",") if x.strip()]
+    unknown = [x for x in sets if x not in EVAL_SETS]
+    if unknown or not sets:  # before the model load: a typo should not cost one
+        raise UserError(f"--sets: unknown prompt set {unknown[0] if unknown else '(none)'!r}; "
+                        f"choose from {', '.join(EVAL_SETS)}")
     engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)
     if engine.drafter is None:
         raise UserError("no drafter to evaluate: pass --drafter DIR")
     report = evaluate_drafter(engine, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
-                              widths=[int(w) for w in args.widths.split(",")])
+                              widths=[int(w) for w in args.widths.split(",")], sets=sets)
     return print_report(report, args.out)
 
 
@@ -90,5 +96,8 @@ def register(sub) -> None:
     e.add_argument("--per-domain", type=int, default=10)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--widths", default="15,31,63")
+    e.add_argument("--sets", default="heldout",
+                   help=f"comma-separated prompt sets: {', '.join(EVAL_SETS)} (the others are of kinds no training "
+                        "prompt has; each reported per domain and relative to the held-out set)")
     e.add_argument("--out", default=None, help="also write the JSON here")
     e.set_defaults(func=cmd_eval_drafter)
