@@ -16,7 +16,7 @@ from castspec.train.diagnose import diagnose, ngram_baselines
 from castspec.train.replay import committed_per_round, replay_r
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
     init_drafter, scale_fc_init, sequence_loss, target_features, target_pass, train)
-from conftest import llama_config, make_hf, native
+from conftest import llama_config, make_hf, native, random_drafter
 
 
 @pytest.mark.parametrize("window", [0, 1, 3])
@@ -336,3 +336,38 @@ def test_draft_vocab_command(tiny_data, tmp_path, capsys):
                      (["--drafter", str(tmp_path)], "not a drafter directory")]:
         assert main(args + bad) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_decoding_rounds_draft_what_the_training_layout_shows(tiny_data):
+    """Train/serve consistency: at every round of real decoding (`cast`, so the context grows by accepted tree
+    paths and compactions), the drafter's marginals equal those of the training layout (one feature pass over
+    the final sequence, the block anchored at the round's root, context strictly before it)."""
+    target, records = tiny_data
+    drafter = random_drafter(target, block_size=6, seed=4)
+    L = drafter.cfg.num_draft_positions
+    for rec in records[:3]:
+        prompt, emitted, rounds = rec["prompt_ids"], [], []
+
+        def on_round(logprobs, tree, path, new):
+            rounds.append((len(prompt) + len(emitted) - 1, logprobs.clone()))  # (root position, marginals)
+            emitted.extend(new)
+
+        first = True
+        for chunk in decode(target, drafter, prompt, DecodeConfig(method="cast", width=7, max_new_tokens=30),
+                            on_round=on_round):
+            if first:
+                emitted.extend(chunk)
+                first = False
+        assert len(rounds) >= 3
+        tokens = torch.tensor(prompt + emitted)
+        T = tokens.numel()
+        feats = target_features(target, tokens, drafter.cfg.target_layer_ids)
+        anchors = torch.tensor([a for a, _ in rounds])
+        ids, pos, _ = block_inputs(tokens, anchors, L + 1, drafter.cfg.mask_token_id, torch.ones(T, dtype=torch.bool))
+        mask = block_mask(anchors, T, L + 1).view(1, 1, -1, T + ids.numel())
+        with torch.no_grad():
+            hidden = drafter(target.embed(ids.view(1, -1)), pos.view(1, -1), feats, torch.arange(T).view(1, -1),
+                             mask=mask).view(anchors.numel(), L + 1, -1)[:, 1:]
+            teacher = drafter.draft_logprobs(hidden, target)
+        for b, (_, lp) in enumerate(rounds):
+            torch.testing.assert_close(lp, teacher[b, :lp.shape[0]], atol=2e-4, rtol=1e-4)
