@@ -11,12 +11,13 @@ from castspec.models.draft_vocab import save_draft_vocab
 from castspec.models.load import load_drafter
 from castspec.train.blocks import (block_inputs, block_mask, chain_acceptance, parse_window_schedule, teacher_rows,
     window_at)
-from castspec.train.datagen import batched_generate
+from castspec.prompts import Prompt
+from castspec.train.datagen import DataGenConfig, batched_generate, generate_dataset, shard_files
 from castspec.train.diagnose import diagnose, ngram_baselines
 from castspec.train.replay import committed_per_round, replay_r
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
     init_drafter, scale_fc_init, sequence_loss, target_features, target_pass, train)
-from conftest import llama_config, make_hf, native, random_drafter
+from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
 
 @pytest.mark.parametrize("window", [0, 1, 3])
@@ -79,8 +80,8 @@ def test_batched_generate_equals_each_prompts_own_decode(tiny_data, temperature)
     target, records = tiny_data
     prompts = [r["prompt_ids"] for r in records[:7]]
     stops = {5, 9}
-    got = batched_generate(target, prompts, 25, stops, temperature=temperature, seed=7, batch_size=3,
-                           prefill_budget=8)
+    got = batched_generate(target, prompts, 25, stops, temperature=temperature, seeds=[7 + i for i in range(7)],
+                           batch_size=3, prefill_budget=8)
     for i, (p, out) in enumerate(zip(prompts, got)):
         cfg = DecodeConfig(method="ar", max_new_tokens=25, temperature=temperature,
                            seed=7 + i if temperature else None, stop_token_ids=tuple(sorted(stops)))
@@ -371,3 +372,25 @@ def test_decoding_rounds_draft_what_the_training_layout_shows(tiny_data):
             teacher = drafter.draft_logprobs(hidden, target)
         for b, (_, lp) in enumerate(rounds):
             torch.testing.assert_close(lp, teacher[b, :lp.shape[0]], atol=2e-4, rtol=1e-4)
+
+
+def test_dataset_shards_do_not_depend_on_grouping_parts_or_resume(tmp_path):
+    # several shards decoded in one continuous batch, or one at a time, in two parts, or resumed after a lost
+    # shard: the same records (sampled at T = 1, so the seeds must follow the prompts, not the calls)
+    target = native(make_hf(llama_config(vocab=24), seed=1))
+    tok = tiny_tokenizer(24)
+    prompts = [Prompt("chat", "t", " ".join(f"w{(3 * i + j) % 20 + 1}" for j in range(i % 4 + 1)), f"p{i}")
+               for i in range(10)]
+
+    def make(out, shards_per_call, parts=((0, 1),)):
+        cfg = DataGenConfig(max_new_tokens=12, batch_size=3, temperature=1.0, seed=5, shards_per_call=shards_per_call)
+        for part in parts:
+            generate_dataset(target, tok, prompts, out, cfg, stop_ids={0}, part=part)
+        return [torch.load(f, weights_only=True) for f in shard_files(out)]
+
+    one = make(tmp_path / "one", 1)
+    assert len(one) == 4 and sum(len(s) for s in one) == 10
+    assert make(tmp_path / "grouped", 3) == one
+    assert make(tmp_path / "parts", 2, parts=((1, 2), (0, 2))) == one
+    shard_files(tmp_path / "grouped")[1].unlink()
+    assert make(tmp_path / "grouped", 3) == one

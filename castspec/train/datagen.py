@@ -29,13 +29,16 @@ class DataGenConfig:
     temperature: float = 0.0  # 0 = greedy (what decoding serves); > 0 samples for diversity
     seed: int = 0
     dtype: str = "bf16"
+    # shards decoded together: a finished row's place goes to the next shard's prompts, so the batch stays full
+    # (one shard alone drains to its longest response); an interruption loses at most this many shards' work
+    shards_per_call: int = 8
 
 
 def batched_generate(target: Decoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                     temperature: float = 0.0, seed: int = 0, batch_size: int = 0,
+                     temperature: float = 0.0, seeds: list[int] | None = None, batch_size: int = 0,
                      prefill_budget: int = 512) -> list[list[int]]:
-    """The target's continuations of several prompts: greedy, or sampled with seed `seed + i` for prompt i; each
-    ends at its first stop id (kept) or after `max_new_tokens`.
+    """The target's continuations of several prompts: greedy, or sampled with seed `seeds[i]` (default i) for
+    prompt i; each ends at its first stop id (kept) or after `max_new_tokens`.
 
     Continuous batching over `run_round`, as the server's `ar` does: the same ragged rounds and native forwards,
     so the tokens are the ones castspec decoding serves: each prompt's are those of its own `ar` decode, alone or
@@ -52,7 +55,8 @@ def batched_generate(target: Decoder, prompts: list[list[int]], max_new_tokens: 
             while waiting and len(live) < limit:
                 i = waiting.popleft()
                 cfg = DecodeConfig(method="ar", max_new_tokens=max_new_tokens, temperature=temperature,
-                                   seed=seed + i if temperature > 0 else None, stop_token_ids=stops)
+                                   seed=(seeds[i] if seeds is not None else i) if temperature > 0 else None,
+                                   stop_token_ids=stops)
                 live.append((i, Sequence(target, None, prompts[i], cfg)))
             result = run_round(target, None, [s for _, s in live], None, prefill_budget)
             for (i, _), o in zip(live, result.sequences):
@@ -87,26 +91,30 @@ def generate_dataset(target: Decoder, tokenizer, prompts: list[Prompt], out_dir:
     os.replace(tmp, out_dir / "datagen.json")
     encoded = [encode_chat(tokenizer, p.text) for p in prompts]
     batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts), cfg.batch_size)]
+    todo = [b for b in range(len(batches)) if b % part[1] == part[0] and not shard_path(out_dir, b).exists()]
     summary = dataset_summary(out_dir)
     bar = tqdm(total=len(batches), desc="make-data", unit="batch", initial=summary["shards"])
-    for b, rows in enumerate(batches):
-        path = shard_path(out_dir, b)
-        if path.exists() or b % part[1] != part[0]:
-            continue
+    for g in range(0, len(todo), cfg.shards_per_call):
         if limit_tokens is not None and summary["response_tokens"] >= limit_tokens:
             break
-        responses = batched_generate(target, [encoded[i] for i in rows], cfg.max_new_tokens, stop_ids,
-                                     cfg.temperature, seed=cfg.seed * 100003 + b * cfg.batch_size)
-        records = [{"prompt_ids": encoded[i], "response_ids": resp, "domain": prompts[i].domain,
-                    "source": prompts[i].source, "id": prompts[i].id} for i, resp in zip(rows, responses)]
-        tmp = path.with_suffix(".tmp")
-        torch.save(records, tmp)
-        os.replace(tmp, path)
-        summary["shards"] += 1
-        summary["response_tokens"] += sum(len(r["response_ids"]) for r in records)
-        summary["examples"] += len(records)
-        bar.update(1)
-        bar.set_postfix(tokens=summary["response_tokens"])
+        group = todo[g:g + cfg.shards_per_call]
+        rows = [i for b in group for i in batches[b]]
+        # prompt i's seed depends on i alone, so a shard's records do not depend on the grouping or the part
+        responses = dict(zip(rows, batched_generate(target, [encoded[i] for i in rows], cfg.max_new_tokens, stop_ids,
+                                                    cfg.temperature, seeds=[cfg.seed * 100003 + i for i in rows],
+                                                    batch_size=cfg.batch_size)))
+        for b in group:
+            records = [{"prompt_ids": encoded[i], "response_ids": responses[i], "domain": prompts[i].domain,
+                        "source": prompts[i].source, "id": prompts[i].id} for i in batches[b]]
+            path = shard_path(out_dir, b)
+            tmp = path.with_suffix(".tmp")
+            torch.save(records, tmp)
+            os.replace(tmp, path)
+            summary["shards"] += 1
+            summary["response_tokens"] += sum(len(r["response_ids"]) for r in records)
+            summary["examples"] += len(records)
+            bar.update(1)
+            bar.set_postfix(tokens=summary["response_tokens"])
     bar.close()
     return dataset_summary(out_dir)
 
