@@ -6,15 +6,21 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-data/smollm2-bf16-greedy}
 RUN=${RUN:-runs/drafter-smollm2-v6}
 STEPS=${STEPS:-2800}
-STOP=${STOP:-2600}  # the shipped export; the last 200 steps (learning rate near its 1e-4 floor) were left to measurements
+STOP=${STOP:-2600}  # v6's export; the last 200 steps (learning rate near its 1e-4 floor) were left to measurements
 VOCAB=${VOCAB:-8192}
+# leg 3 (v7): a second dataset (training prompts drawn with seed 1) and a fresh learning-rate cycle from v6
+DATA3=${DATA3:-data/smollm2-bf16-greedy-s1}
+RUN3=${RUN3:-runs/drafter-smollm2-v7}
+STEPS3=${STEPS3:-2000}
+STOP3=${STOP3:-$STEPS3}
 CLI=.venv/bin/castspec
 
-# 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), two single-thread workers
+# 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
+#    over castspec's own rounds (v6's data came from an earlier batched torch decoder: the same target, a few
+#    near-tie tokens apart)
 if [ "${SKIP_DATA:-0}" != 1 ]; then
-  $CLI make-data --out "$DATA" --threads 1 --batch-size 24 --part 0/2 &
-  $CLI make-data --out "$DATA" --threads 1 --batch-size 24 --part 1/2 &
-  wait
+  $CLI make-data --out "$DATA" --batch-size 24
+  $CLI make-data --out "$DATA3" --batch-size 24 --seed 1
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -28,8 +34,14 @@ TRAIN="$CLI train-drafter --data $DATA --out $RUN --layers 2 --seqs-per-step 2 -
        --norm-init ones --context-window 8:200,64:450 --checkpoint-every 25 --export-every 100 --eval-per-domain 4"
 $TRAIN --steps 800
 $TRAIN --steps "$STEPS" --stop-after "$STOP"
-# 3. ship: bf16 weights in the public DFlash layout, installed with the package, plus the draft vocabulary
-#    (the VOCAB tokens the target writes most: a 6x cheaper drafter head, docs/training.md)
+# 3. the draft vocabulary (the VOCAB tokens the target writes most: a 6x cheaper drafter head, docs/training.md)
+$CLI draft-vocab --drafter "$RUN/drafter" --data "$DATA" --size "$VOCAB"
+# 4. leg 3: warm start from v6 on the second dataset, the loss over the draft vocabulary (as decoding scores
+#    it; a cheaper step), a fresh cosine cycle; no curriculum (v6 is past it)
+$CLI train-drafter --data "$DATA3" --out "$RUN3" --layers 2 --seqs-per-step 2 --anchors 64 --lr 6e-4 \
+    --norm-init ones --init-from "$RUN/drafter" --draft-vocab "$RUN/drafter" --steps "$STEPS3" --stop-after "$STOP3" \
+    --checkpoint-every 25 --export-every 250 --eval-per-domain 4
+# 5. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN/drafter/config.json" "$RUN/drafter/model.safetensors" castspec/assets/drafter-smollm2-135m/
-$CLI draft-vocab --drafter castspec/assets/drafter-smollm2-135m --data "$DATA" --size "$VOCAB"
+cp "$RUN3/drafter/config.json" "$RUN3/drafter/model.safetensors" "$RUN3/drafter/draft_vocab.safetensors" \
+    castspec/assets/drafter-smollm2-135m/

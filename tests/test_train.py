@@ -229,6 +229,8 @@ def test_resume_equals_uninterrupted(tiny_data, tmp_path):
     cfg = tiny_config(steps=20, checkpoint_every=10, context_windows="2:5,4:15")  # the curriculum spans the split
     train(target, records, tmp_path / "full", cfg, ROPE, progress=False)
     train(target, records, tmp_path / "split", cfg, ROPE, progress=False, stop_after=10)
+    again = train(target, records, tmp_path / "split", cfg, ROPE, progress=False, stop_after=10)
+    assert again.step == 10  # rerunning a finished leg trains nothing more
     train(target, records, tmp_path / "split", cfg, ROPE, progress=False)  # resumes at step 10
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)
     b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)

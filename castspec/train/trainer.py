@@ -335,7 +335,8 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
     t0 = time.time()
     window_sums = [0.0, 0.0, 0.0]  # loss, chain acceptance, sequences since the last history entry
     computed = [0.0, 0.0]  # sequences this rank computed, sequences all ranks computed
-    while state.step < cfg.steps:
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    while state.step < end:  # a rerun of a finished run (or leg) trains nothing more
         for g in opt.param_groups:
             g["lr"] = lr_at(state.step, cfg)
         opt.zero_grad(set_to_none=True)
@@ -359,15 +360,13 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
             state.history.append({"step": state.step, "loss": window_sums[0] / n, "train_tau": window_sums[1] / n,
                                   "elapsed_s": time.time() - t0})
             window_sums = [0.0, 0.0, 0.0]
-        last = state.step == cfg.steps or (stop_after is not None and state.step >= stop_after)
+        last = state.step == end
         if ranks.main and (state.step % cfg.checkpoint_every == 0 or last):
             save_checkpoint(ckpt, drafter, opt, state, gen, cfg, ranks.world)
         if ranks.main and (state.step % cfg.export_every == 0 or last):
             export(drafter, out_dir / "drafter")
             if on_export is not None:
                 on_export(state.step, out_dir / "drafter")
-        if stop_after is not None and state.step >= stop_after:
-            break
     bar.close()
     log.info("rank %d of %d computed %d of the %d sequences", ranks.rank, ranks.world, *computed)
     ranks.barrier()  # when train() returns on any rank, rank 0's last checkpoint and export are on disk
