@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,10 +129,11 @@ def _first_sentence(doc: str) -> str:
     return para.split(". ")[0].rstrip(".") + "."
 
 
-def doc_tasks(seed: int = 0) -> list[Prompt]:
-    rng = random.Random(seed)
+def documented_names(modules: list[str]) -> list[dict]:
+    """{name, sig, module, doc} of every public function and class with a docstring of some length in the
+    importable `modules`, in module order, then by name; doc is its first sentence."""
     out = []
-    for mod_name in DOC_MODULES:
+    for mod_name in modules:
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:
@@ -143,13 +145,21 @@ def doc_tasks(seed: int = 0) -> list[Prompt]:
             if not doc or len(doc) < 20:
                 continue
             try:
-                sig = str(inspect.signature(obj))
+                # default values print with their memory addresses: drop them, or prompts change run to run
+                sig = re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(obj)))
             except (TypeError, ValueError):
                 sig = "(...)"
-            fields = dict(name=name, sig=sig, module=mod_name, doc=_first_sentence(doc))
-            ident = f"{mod_name}.{name}"
-            out.append(Prompt("code", "module-docs", rng.choice(CODE_TASKS).format(**fields), f"doc/code/{ident}"))
-            out.append(Prompt("chat", "module-docs", rng.choice(EXPLAIN_TASKS).format(**fields), f"doc/ask/{ident}"))
+            out.append(dict(name=name, sig=sig, module=mod_name, doc=_first_sentence(doc)))
+    return out
+
+
+def doc_tasks(seed: int = 0) -> list[Prompt]:
+    rng = random.Random(seed)
+    out = []
+    for fields in documented_names(DOC_MODULES):
+        ident = f"{fields['module']}.{fields['name']}"
+        out.append(Prompt("code", "module-docs", rng.choice(CODE_TASKS).format(**fields), f"doc/code/{ident}"))
+        out.append(Prompt("chat", "module-docs", rng.choice(EXPLAIN_TASKS).format(**fields), f"doc/ask/{ident}"))
     return out
 
 
@@ -227,20 +237,7 @@ UNSEEN_TASKS = ["Show a common mistake people make with `{module}.{name}`, then 
 
 def unseen_module_tasks(count: int, seed: int = 0) -> list[Prompt]:
     """`count` tasks on modules no training prompt names, in forms no training prompt takes."""
-    picked = []
-    for mod_name in UNSEEN_MODULES:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        for name, obj in sorted(vars(mod).items()):
-            doc = inspect.getdoc(obj) if not name.startswith("_") and callable(obj) else None
-            if doc and len(doc) >= 20:
-                try:
-                    sig = str(inspect.signature(obj))
-                except (TypeError, ValueError):
-                    sig = "(...)"
-                picked.append(dict(name=name, sig=sig, module=mod_name, doc=_first_sentence(doc)))
+    picked = documented_names(UNSEEN_MODULES)
     rng = random.Random(seed)
     rng.shuffle(picked)
     return [Prompt("code" if k % 2 == 0 else "chat", "unseen-modules", UNSEEN_TASKS[k % len(UNSEEN_TASKS)].format(**f),

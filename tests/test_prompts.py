@@ -10,6 +10,8 @@ from conftest import llama_config, make_hf, native, random_drafter, tiny_tokeniz
 
 def test_eval_sets_are_sized_like_the_heldout_split_and_never_trained_on():
     train_texts = {p.text for p in training_prompts()}
+    # signatures whose defaults print memory addresses made some prompts differ from process to process
+    assert not [t for t in train_texts if " at 0x" in t]
     assert not set(UNSEEN_MODULES) & set(DOC_MODULES)
     for name in EVAL_SETS:
         prompts = eval_prompts(name, per_domain=4)
