@@ -11,8 +11,8 @@ VOCAB=${VOCAB:-8192}
 # leg 3 (v7): a second dataset (training prompts drawn with seed 1) and a fresh learning-rate cycle from v6
 DATA3=${DATA3:-data/smollm2-bf16-greedy-s1}
 RUN3=${RUN3:-runs/drafter-smollm2-v7}
-STEPS3=${STEPS3:-2000}
-STOP3=${STOP3:-$STEPS3}
+STEPS3=${STEPS3:-2600}
+STOP3=${STOP3:-2250}  # v7's export (learning rate near its floor by then)
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -37,8 +37,8 @@ $TRAIN --steps "$STEPS" --stop-after "$STOP"
 # 3. the draft vocabulary (the VOCAB tokens the target writes most: a 6x cheaper drafter head, docs/training.md)
 $CLI draft-vocab --drafter "$RUN/drafter" --data "$DATA" --size "$VOCAB"
 # 4. leg 3: warm start from v6 on the second dataset, the loss over the draft vocabulary (as decoding scores
-#    it; a cheaper step), a fresh cosine cycle; no curriculum (v6 is past it)
-$CLI train-drafter --data "$DATA3" --out "$RUN3" --layers 2 --seqs-per-step 2 --anchors 64 --lr 6e-4 \
+#    it; a cheaper step), a fresh cosine cycle, 4 sequences per step; no curriculum (v6 is past it)
+$CLI train-drafter --data "$DATA3" --out "$RUN3" --layers 2 --seqs-per-step 4 --anchors 64 --lr 6e-4 \
     --norm-init ones --init-from "$RUN/drafter" --draft-vocab "$RUN/drafter" --steps "$STEPS3" --stop-after "$STOP3" \
     --checkpoint-every 25 --export-every 250 --eval-per-domain 4
 # 5. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package

@@ -136,3 +136,15 @@ def test_part_and_torchrun_conflict_and_bad_part(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["make-data", "--out", str(tmp_path), "--part", "0/2"]) == 2
     assert "leave --part out under torchrun" in capsys.readouterr().err
+
+
+def test_several_datasets_train_as_one(ddp_run, target_dir, capsys):
+    # 30 sequences (6 steps x 5) from 12 records are 2.5 epochs; from the same dataset given twice, 1.25
+    root, _ = ddp_run
+    data = str(root / "data2")
+    args = ["train-drafter", "--target", str(target_dir)] + DATA_ARGS + TRAIN_ARGS
+    capsys.readouterr()
+    assert main(args + ["--data", f"{data},{data}", "--out", str(root / "twice")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["epoch"] == 1
+    assert main(args + ["--data", f"{data},{root / 'none'}", "--out", str(root / "bad")]) == 2
+    assert f"no training data in {root / 'none'}" in capsys.readouterr().err

@@ -46,7 +46,10 @@ def cmd_train_drafter(args) -> int:
 
 
 def _train_drafter(args, out: Path, ranks) -> int:
-    data = Path(args.data)
+    datasets = [Path(d) for d in args.data.split(",") if d.strip()]
+    if not datasets:
+        raise UserError("--data: give at least one dataset directory")
+    data = datasets[0]  # --generate writes here; the held-out replay records are cached here
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_target(args.target, dtype=DTYPES[args.dtype])
@@ -54,12 +57,14 @@ def _train_drafter(args, out: Path, ranks) -> int:
         args.out_data = data
         _make_data(args, loaded)
         ranks.barrier()
-    if not shard_files(data):
-        raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` or pass --generate")
-    try:
-        records = load_records(data)
-    except Exception as e:
-        raise UserError(f"cannot read training data in {data} ({type(e).__name__})") from None
+    records = []
+    for d in datasets:
+        if not shard_files(d):
+            raise UserError(f"no training data in {d}: run `castspec make-data --out {d}` or pass --generate")
+        try:
+            records += load_records(d)
+        except Exception as e:
+            raise UserError(f"cannot read training data in {d} ({type(e).__name__})") from None
     cfg = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
                       block_size=args.block_size, num_layers=args.layers, lr=args.lr, seed=args.seed,
                       mask_token_id=args.mask_token_id, bf16=args.dtype == "bf16",
@@ -152,7 +157,8 @@ def register(sub) -> None:
 
     t = sub.add_parser("train-drafter", help="train a DFlash-layout block drafter for a target (resumable)",
                        description="Train on the target's own responses; rerun the same command to resume.")
-    t.add_argument("--data", required=True, help="dataset directory from make-data")
+    t.add_argument("--data", required=True,
+                   help="dataset directory from make-data, or several separated by commas (trained on as one)")
     t.add_argument("--out", required=True, help="run directory: checkpoint.pt and drafter/ (public layout)")
     t.add_argument("--generate", action="store_true", help="run make-data into --data first (resumable)")
     t.add_argument("--steps", type=int, default=2000)
