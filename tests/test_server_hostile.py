@@ -163,7 +163,10 @@ def slow_template(engine, seconds: float) -> tuple[str, float]:
     """A chat template whose render takes at least `seconds` on this machine, and the time one render took."""
     outer = 1000
     while True:
-        slow = ("{% for i in range(" + str(outer) + ") %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
+        # jinja's sandbox refuses a range of more than 100,000 items: the outer count goes in two loops
+        reps, per = -(-outer // 100_000), min(outer, 100_000)
+        slow = ("{% for h in range(" + str(reps) + ") %}{% for i in range(" + str(per) + ") %}"
+                "{% for j in range(1000) %}{% endfor %}{% endfor %}{% endfor %}"
                 "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}<assistant>")
         t = time.perf_counter()
         engine.encode(messages=MSG, chat_template_kwargs={"chat_template": slow})
