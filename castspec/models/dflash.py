@@ -100,11 +100,18 @@ class DFlashDrafter(nn.Module):
         log-probabilities of its tokens alone [N, S] (fp32) and their ids, which is all a tree needs."""
         if self.draft_vocab is None:
             return Marginals.dense(torch.log_softmax(target.vocab_scores(rows).float(), dim=-1))
+        sub = torch.log_softmax(linear(rows, self.vocab_head(target), None, self._sub_pack).float(), dim=-1)
+        return Marginals(sub, self.draft_vocab, target.head_weight.shape[0])
+
+    def vocab_head(self, target) -> torch.Tensor:
+        """The rows of the target's lm_head this drafter scores: the draft vocabulary's (gathered once per head
+        and kept), or the whole head without one."""
         head = target.head_weight
+        if self.draft_vocab is None:
+            return head
         if self._sub_head is None or self._sub_head[0] is not head:
             self._sub_head = (head, head.index_select(0, self.draft_vocab).contiguous())
-        sub = torch.log_softmax(linear(rows, self._sub_head[1], None, self._sub_pack).float(), dim=-1)
-        return Marginals(sub, self.draft_vocab, head.shape[0])
+        return self._sub_head[1]
 
     @property
     def dtype(self) -> torch.dtype:

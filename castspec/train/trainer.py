@@ -196,9 +196,9 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors
     with torch.no_grad():
         feats, teacher = target_pass(target, tokens, drafter.cfg.target_layer_ids, rows)
     ids, pos, labels = block_inputs(tokens, anchors, bs, drafter.cfg.mask_token_id, loss_mask)
-    head = target.head_weight
+    head = drafter.vocab_head(target)
     if drafter.draft_vocab is not None:
-        head, labels, teacher = on_draft_vocab(drafter.draft_vocab, head, labels, teacher)
+        labels, teacher = on_draft_vocab(drafter.draft_vocab, target.cfg.vocab_size, labels, teacher)
     mask = block_mask(anchors, T, bs, window).view(1, 1, -1, T + ids.numel())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
         emb = target.embed(ids.view(1, -1)).float()
@@ -216,15 +216,16 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors
     return loss, acc.float().mean().item()
 
 
-def on_draft_vocab(vocab: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None):
-    """The loss's inputs restricted to a draft vocabulary (sorted token ids [S]): its rows of the head, the
-    labels as indices into it (-100 outside it) and the teacher's log-probabilities renormalized over it."""
-    index = torch.full((head.shape[0],), -100, dtype=torch.long)
-    index[vocab.cpu()] = torch.arange(vocab.numel())
+def on_draft_vocab(vocab: torch.Tensor, vocab_size: int, labels: torch.Tensor, teacher: torch.Tensor | None):
+    """The labels as indices into a draft vocabulary (sorted token ids [S]; -100 outside it) and the teacher's
+    log-probabilities renormalized over it: the loss's targets for the head rows `DFlashDrafter.vocab_head`."""
+    vocab = vocab.cpu()
+    index = torch.full((vocab_size,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(vocab.numel())
     labels = torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
     if teacher is not None:
-        teacher = torch.log_softmax(teacher[..., vocab.cpu()], dim=-1)
-    return head.index_select(0, vocab.to(head.device)), labels, teacher
+        teacher = torch.log_softmax(teacher[..., vocab], dim=-1)
+    return labels, teacher
 
 
 def target_features(target: Decoder, tokens: torch.Tensor, taps: list[int]) -> torch.Tensor:
