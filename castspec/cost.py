@@ -21,6 +21,16 @@ from pathlib import Path
 import numpy as np
 
 
+def extend_interp(x: float, xs: list, ys: list) -> float:
+    """np.interp inside the probed points; past the last one, the last segment's slope goes on (never
+    downward). Packed counts beyond the probe are real under load (B requests' trees in one verify): clamping
+    them to the last probed cost made a verify of 16 requests x 64 nodes look as cheap as one of 64."""
+    if x <= xs[-1] or len(xs) < 2:
+        return float(np.interp(x, xs, ys))
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+    return float(ys[-1] + slope * (x - xs[-1]))
+
+
 @dataclass
 class CostProfile:
     key: dict  # device, dtype, target, drafter
@@ -38,7 +48,7 @@ class CostProfile:
     floor: dict | None = None
 
     def verify_at(self, n: float, prefix: float) -> float:
-        rows = [np.interp(n, self.packed, row) for row in self.verify_ms]
+        rows = [extend_interp(n, self.packed, row) for row in self.verify_ms]
         return float(np.interp(prefix, self.prefix_lens, rows))
 
     def batch_verify_at(self, batch: int, n_total: float, prefix: float) -> float:
@@ -52,7 +62,7 @@ class CostProfile:
 
         def at(b: int) -> float:
             entry = self.batch[str(b)]
-            return float(np.interp(n_total, entry["packed"], entry["verify_ms"]))
+            return extend_interp(n_total, entry["packed"], entry["verify_ms"])
 
         lo = max([b for b in probed if b <= batch], default=probed[0])
         hi = min([b for b in probed if b >= batch], default=probed[-1])

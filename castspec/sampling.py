@@ -5,11 +5,12 @@ min_tokens mask on stop tokens, repetition / frequency / presence penalties (whi
 node: the prompt, the output so far and the node's ancestors), then temperature, top-k and top-p. Greedy
 decoding takes the argmax after the penalties.
 
-Sampling is coupled to output positions: the token at output index t is argmax_x p(x) / E_t(x), with E_t a
-vector of Exp(1) noise drawn from the request's seed and t alone (the exponential-race form of the Gumbel-max
-trick). That is an exact draw from p, and since the noise does not depend on the tree, the batch or the method,
-`ar`, `chain` and `cast` commit the same tokens for the same seed: a verifier accepts a drafted token exactly
-when it equals that draw. Everything runs on the CPU in float64, so CPU and CUDA runs draw the same coins.
+Sampling is coupled to output positions: the token at output index t is the inverse-CDF draw of p at one
+uniform u_t made from the request's seed and t alone (a hash, no generator state). That is an exact draw from p,
+and since u_t does not depend on the tree, the batch or the method, `ar`, `chain` and `cast` commit the same
+tokens for the same seed: a verifier accepts a drafted token exactly when it equals that draw. Everything runs
+on the CPU in float64, so CPU and CUDA runs draw the same coins. (One uniform per draw, where a noise vector
+over the vocabulary per output index cost more than the target's whole decode step on small models.)
 The proposal-aware recursive rejection sampler (`verifier="rrs"`) and the direct walk (`"direct"`) keep one
 sequential stream per request instead: exact in law, but their draws depend on the tree.
 """
@@ -154,24 +155,17 @@ class Sampler:
         self.processor = processor
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
         self.generator = torch.Generator().manual_seed(mix_seed(self.seed, -1))
-        self._noise: dict[int, torch.Tensor] = {}
 
-    def noise(self, t: int, size: int) -> torch.Tensor:
-        """Exp(1) noise of output index t (cached while the sequence can still revisit t)."""
-        e = self._noise.get(t)
-        if e is None:
-            g = torch.Generator().manual_seed(mix_seed(self.seed, t))
-            e = self._noise[t] = torch.empty(size, dtype=torch.float64).exponential_(generator=g)
-        return e
-
-    def forget_before(self, t: int) -> None:
-        for k in [k for k in self._noise if k < t]:
-            del self._noise[k]
+    def coin(self, t: int) -> float:
+        """The uniform in [0, 1) of output index t: 53 bits of the (seed, t) hash."""
+        return (mix_seed(self.seed, t) >> 10) * 2.0 ** -53
 
     def draw(self, logits: torch.Tensor, t: int, history: History | None = None) -> int:
-        p = torch.from_numpy(self.processor.probs(logits, history))
-        e = self.noise(t, p.numel())
-        return int(torch.argmax(torch.where(p > 0, p / e, torch.full_like(p, -1.0))))
+        p = self.processor.probs(logits, history)
+        cdf = np.cumsum(p)
+        # the first token whose cumulative mass exceeds u: never one of mass 0 (its cdf equals its predecessor's)
+        i = int(np.searchsorted(cdf, self.coin(t) * cdf[-1], side="right"))
+        return i if i < len(p) else int(np.flatnonzero(p)[-1])  # u * total rounded up to the total
 
     def uniform(self) -> float:
         return float(torch.rand((), dtype=torch.float64, generator=self.generator))

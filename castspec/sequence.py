@@ -230,6 +230,4 @@ class Sequence:
                                                  processed), tok, self.cfg.logprobs) for j, tok in enumerate(new)]
         self.history.extend(new)
         self.emitted += len(new)
-        if self.sampler is not None:
-            self.sampler.forget_before(self.emitted)
         return new

@@ -88,6 +88,23 @@ def test_round_rule_pays_a_cost_step_for_the_whole_tree():
     assert rule.choose(np.log(np.full(31, 0.01)).tolist(), [1] * 31, 100) == 0  # 0.07 tokens do not pay 3 ms
 
 
+def test_costs_past_the_probe_keep_rising_and_a_batch_of_trees_pays_for_them():
+    # probed up to 128 packed tokens, costing 10 ms + 0.5 ms per row past 8 (no batched shapes probed)
+    prof = profile_from(lambda n: 10.0 if n <= 8 else 10.0 + 0.5 * (n - 8))
+    assert prof.verify_at(1024, 100) == pytest.approx(10.0 + 0.5 * 1016)
+    assert prof.batch_verify_at(16, 1024, 100) == prof.verify_at(1024, 100)
+    assert prof.verify_at(48, 100) == pytest.approx(30.0)  # inside the probe: interpolation as before
+    # 16 requests with 64 confident candidates each (mass 0.6): at ~1 token/ms a node must pay its 0.5 ms,
+    # and 16 x 64 nodes cost 522 ms of verify (a clamped cost, 70 ms for any total past 128, took them all at
+    # any throughput)
+    rule = RoundWidth(prof, max_width=64, init_throughput=1.0)
+    taken = rule.allocate([np.log(np.full(64, 0.6)).tolist()] * 16, [list(range(1, 65))] * 16, [100] * 16)
+    assert sum(taken) == 16 * 64  # each pays 0.6 tokens for 0.5 ms: worth it at 1 token/ms
+    rule = RoundWidth(prof, max_width=64, init_throughput=1.5)
+    taken = rule.allocate([np.log(np.full(64, 0.6)).tolist()] * 16, [list(range(1, 65))] * 16, [100] * 16)
+    assert sum(taken) == 0  # 0.6 tokens for 0.5 ms is not worth it at 1.5 tokens/ms, however many
+
+
 def test_profile_round_trip(tmp_path):
     prof = profile_from(lambda n: 1.0 + n)
     prof.floor = {"read_gbps": 30.0, "gemm_gflops": 400.0, "verify_floor_ms": [[1.0] * len(PACKED)],

@@ -36,6 +36,26 @@ def test_logit_processing_matches_transformers_warpers(temperature, top_k, top_p
         np.testing.assert_allclose(ours, hf_reference(logits, temperature, top_k, top_p), atol=1e-12)
 
 
+def test_coupled_draws_follow_the_law_and_depend_on_seed_and_index_only():
+    logits = torch.tensor([0.3, -1.0, 2.0, 0.0, 1.1, -0.4, 0.7, 1.5])
+    proc = LogitProcessor(temperature=1.0, top_k=5)  # 3 tokens of mass 0
+    law = proc.probs(logits)
+    n = 20_000
+    draws = np.array([Sampler(proc, seed=s % 97).draw(logits, s // 97) for s in range(n)])
+    counts = np.bincount(draws, minlength=len(law)).astype(float)
+    assert counts[law == 0].sum() == 0  # a token of mass 0 is never drawn
+    assert chi_square_pvalue(counts, law) > 1e-4
+    assert 0.5 * np.abs(counts / n - law).sum() <= mc_floor(law, n, np.random.default_rng(3))
+    # the draw of index t reads (seed, t) and p alone: another sampler of the same seed, other indices in between
+    a, b = Sampler(proc, seed=5), Sampler(proc, seed=5)
+    first = [a.draw(logits, t) for t in range(50)]
+    assert [b.draw(logits, t) for t in reversed(range(50))][::-1] == first
+    for u in (0.0, 1.0 - 2.0 ** -53):  # the extreme coins land on tokens of the law too
+        c = Sampler(proc, seed=0)
+        c.coin = lambda t, u=u: u
+        assert law[c.draw(logits, 0)] > 0
+
+
 def exact_rrs_law(mu, tokens, q):
     """Output law of rrs_node followed by a residual draw, by enumerating every draw order (float64)."""
     w = np.array([q[t] for t in tokens])
