@@ -128,7 +128,9 @@ class CostAware(Policy):
     20 request-rounds; the width rule keeps its own faster lambda); tries are bursts whose mean weighs half of
     the estimate. Under load all three count request-rounds, not rounds: a round of B requests is already an
     average of B outcomes, and its trees cost far more than one request's. The first drafted round enters no
-    estimate: its drafter pass also reads the whole prompt's features, so it costs more than later passes.
+    estimate: its drafter pass also reads the whole prompt's features, so it costs more than later passes; nor
+    does a round that also prefills a newcomer's prompt (`run_round` gives the policy no update for it). Widths
+    read lambda no lower than the measured plain rate: a node that does not beat plain rounds does not pay.
     """
 
     name = "cost"
@@ -175,7 +177,9 @@ class CostAware(Policy):
         self.batch = max(len(logprobs), 1)
         trees = build_forest(logprobs, cap * len(logprobs), self.top_k_per_position, [cap] * len(logprobs),
                              supports)
-        counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes)
+        # the measured rate of plain rounds bounds lambda from below: under load a plain round of B requests
+        # commits far more per ms than one request's, and a tree node that does not beat it is a loss
+        counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes, self.plain_rate)
         return [t.head(c) for t, c in zip(trees, counts)]
 
     def observe(self, tree: Tree, path: list[int]) -> None:

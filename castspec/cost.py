@@ -252,9 +252,12 @@ class RoundWidth:
         """Width for this round from its best-first node scores (log masses, descending)."""
         return self.allocate([scores], [depths], [prefix])[0]
 
-    def allocate(self, scores: list[list[float]], depths: list[list[int]], prefixes: list[int]) -> list[int]:
+    def allocate(self, scores: list[list[float]], depths: list[list[int]], prefixes: list[int],
+                 min_throughput: float | None = None) -> list[int]:
         """Nodes per request for one batched round (Proposition 3): the best candidates of all requests, as many
-        as maximize their summed mass minus lambda times the batch's verify cost (throughput lambda)."""
+        as maximize their summed mass minus lambda times the batch's verify cost (throughput lambda).
+        `min_throughput`: a rate other rounds are known to reach (plain rounds without a draft): a node must pay
+        for its cost at that rate too, or the round would do better without it."""
         B = len(scores)
         masses = []
         for sc, dp in zip(scores, depths):
@@ -267,6 +270,8 @@ class RoundWidth:
         if lam is None:
             merged = np.sort(np.concatenate(masses))[::-1] if masses else np.zeros(0)
             lam = float(np.max(throughput(merged, table[:len(merged) + 1], roots=B)))
+        if min_throughput is not None:
+            lam = max(lam, min_throughput)
         # every request's candidates in one best-first order (each request's own order kept, so its trees
         # stay prefix-closed), then the prefix of that order maximizing gain - lambda * cost: the greedy stop
         # "add while rho >= lambda * delta l" is the same answer on convex costs, but measured costs have steps

@@ -132,7 +132,8 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     synchronize(target.device)
     out.host_ms += (clock() - t) * 1e3
     verified = [o.accepted for o in out.sequences if o.verified]
-    if policy is not None and verified:
+    # a round that also reads a newcomer's prompt says little about drafting: its time is mostly that prompt's
+    if policy is not None and verified and not out.prefill_tokens:
         policy.update(sum(verified) + len(verified), out.total_ms, drafted=drafted)
     return out
 

@@ -13,6 +13,12 @@ DATA3=${DATA3:-data/smollm2-bf16-greedy-s1}
 RUN3=${RUN3:-runs/drafter-smollm2-v7}
 STEPS3=${STEPS3:-2600}
 STOP3=${STOP3:-2250}  # v7's export (learning rate near its floor by then)
+# leg 4 (v8): a third dataset, the target's responses sampled at T = 1 (seed-2 prompts: new continuations of
+# the prompts the greedy data already answered), trained on together with the second one, a fresh cycle from v7
+DATA4=${DATA4:-data/smollm2-bf16-t1-s2}
+RUN4=${RUN4:-runs/drafter-smollm2-v8}
+STEPS4=${STEPS4:-2100}
+STOP4=${STOP4:-2100}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -21,6 +27,7 @@ CLI=.venv/bin/castspec
 if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA" --batch-size 24
   $CLI make-data --out "$DATA3" --batch-size 24 --seed 1
+  $CLI make-data --out "$DATA4" --batch-size 24 --seed 2 --temperature 1.0
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -41,7 +48,11 @@ $CLI draft-vocab --drafter "$RUN/drafter" --data "$DATA" --size "$VOCAB"
 $CLI train-drafter --data "$DATA3" --out "$RUN3" --layers 2 --seqs-per-step 4 --anchors 64 --lr 6e-4 \
     --norm-init ones --init-from "$RUN/drafter" --draft-vocab "$RUN/drafter" --steps "$STEPS3" --stop-after "$STOP3" \
     --checkpoint-every 25 --export-every 250 --eval-per-domain 4
-# 5. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 5. leg 4: warm start from v7 on the second and third datasets together, a fresh cycle at a lower peak
+$CLI train-drafter --data "$DATA3,$DATA4" --out "$RUN4" --layers 2 --seqs-per-step 4 --anchors 64 --lr 4e-4 \
+    --norm-init ones --init-from "$RUN3/drafter" --draft-vocab "$RUN3/drafter" --steps "$STEPS4" --stop-after "$STOP4" \
+    --checkpoint-every 25 --export-every 300 --eval-per-domain 4
+# 6. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN3/drafter/config.json" "$RUN3/drafter/model.safetensors" "$RUN3/drafter/draft_vocab.safetensors" \
+cp "$RUN4/drafter/config.json" "$RUN4/drafter/model.safetensors" "$RUN4/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/

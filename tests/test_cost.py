@@ -105,6 +105,17 @@ def test_costs_past_the_probe_keep_rising_and_a_batch_of_trees_pays_for_them():
     assert sum(taken) == 0  # 0.6 tokens for 0.5 ms is not worth it at 1.5 tokens/ms, however many
 
 
+def test_a_known_plain_rate_bounds_lambda_from_below():
+    # nodes of mass 0.6 at 0.5 ms each pay at the drafted rate (1 token/ms) but not against plain rounds that
+    # commit 1.5 tokens/ms: the round takes none of them then
+    prof = profile_from(lambda n: 10.0 if n <= 8 else 10.0 + 0.5 * (n - 8))
+    rule = RoundWidth(prof, max_width=64, init_throughput=1.0)
+    args = ([np.log(np.full(64, 0.6)).tolist()] * 16, [list(range(1, 65))] * 16, [100] * 16)
+    assert sum(rule.allocate(*args)) == 16 * 64
+    assert sum(rule.allocate(*args, min_throughput=1.5)) == 0
+    assert sum(rule.allocate(*args, min_throughput=0.5)) == 16 * 64  # a lower rate leaves lambda as it was
+
+
 def test_profile_round_trip(tmp_path):
     prof = profile_from(lambda n: 1.0 + n)
     prof.floor = {"read_gbps": 30.0, "gemm_gflops": 400.0, "verify_floor_ms": [[1.0] * len(PACKED)],

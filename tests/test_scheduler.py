@@ -337,3 +337,31 @@ def test_cost_policy_counts_request_rounds_under_load():
     assert policy.should_draft()  # a try
     policy.update(16, 400.0)
     assert not policy.should_draft() and policy.explore_every == 8  # one round of 16 was the whole try
+
+
+class Recording(FixedWidth):
+    """A fixed-width policy that keeps every update it gets."""
+
+    def __init__(self):
+        super().__init__(3, 2)
+        self.updates = []
+
+    def update(self, committed, round_ms, drafted=True):
+        self.updates.append(committed)
+
+
+def test_a_round_that_also_prefills_a_newcomer_gives_the_policy_no_update(models):
+    target, drafter = models
+    a, b = prompts(2, seed=9)
+    policy = Recording()
+    old = Sequence(target, drafter, a, DecodeConfig(method="cast", max_new_tokens=8), 16)
+    with torch.inference_mode():
+        run_round(target, drafter, [old], policy)  # its prefill: nothing verified
+        run_round(target, drafter, [old], policy)  # a plain verify round: one update
+        assert len(policy.updates) == 1
+        new = Sequence(target, drafter, b, DecodeConfig(method="cast", max_new_tokens=8), 16)
+        mixed = run_round(target, drafter, [old, new], policy)  # old verifies while new reads its prompt
+        assert mixed.sequences[0].verified and mixed.prefill_tokens == len(b)
+        assert len(policy.updates) == 1
+        run_round(target, drafter, [old, new], policy)
+        assert len(policy.updates) == 2
