@@ -9,8 +9,8 @@ Sampling is coupled to output positions: the token at output index t is the inve
 uniform u_t made from the request's seed and t alone (a hash, no generator state). That is an exact draw from p,
 and since u_t does not depend on the tree, the batch or the method, `ar`, `chain` and `cast` commit the same
 tokens for the same seed: a verifier accepts a drafted token exactly when it equals that draw. Everything runs
-on the CPU in float64, so CPU and CUDA runs draw the same coins. (One uniform per draw, where a noise vector
-over the vocabulary per output index cost more than the target's whole decode step on small models.)
+on the CPU in float64, so CPU and CUDA runs draw the same coins. One uniform per draw, not a noise vector over
+the whole vocabulary: generating that vector cost several times the rest of the draw.
 The proposal-aware recursive rejection sampler (`verifier="rrs"`) and the direct walk (`"direct"`) keep one
 sequential stream per request instead: exact in law, but their draws depend on the tree.
 """
@@ -147,6 +147,14 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return seed if seed is None or index == 0 else mix_seed(seed, index)
 
 
+def inverse_cdf(weights: np.ndarray, u: float) -> int:
+    """The index whose cumulative weight first exceeds u x the total (u uniform in [0, 1)): never one of weight 0,
+    whose cumulative weight equals its predecessor's, even where u x total rounds up to the total."""
+    cdf = np.cumsum(weights)
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return i if i < len(cdf) else int(np.flatnonzero(weights)[-1])
+
+
 class Sampler:
     """Seeded draws for one request: `draw(logits, t, history)` for output index t (coupled, see the module
     docstring), and one sequential stream (`uniform`, `choice`) for the rrs and direct verifiers."""
@@ -161,20 +169,14 @@ class Sampler:
         return (mix_seed(self.seed, t) >> 10) * 2.0 ** -53
 
     def draw(self, logits: torch.Tensor, t: int, history: History | None = None) -> int:
-        p = self.processor.probs(logits, history)
-        cdf = np.cumsum(p)
-        # the first token whose cumulative mass exceeds u: never one of mass 0 (its cdf equals its predecessor's)
-        i = int(np.searchsorted(cdf, self.coin(t) * cdf[-1], side="right"))
-        return i if i < len(p) else int(np.flatnonzero(p)[-1])  # u * total rounded up to the total
+        return inverse_cdf(self.processor.probs(logits, history), self.coin(t))
 
     def uniform(self) -> float:
         return float(torch.rand((), dtype=torch.float64, generator=self.generator))
 
     def choice(self, weights: np.ndarray) -> int:
         """Index drawn with probability proportional to non-negative `weights` (inverse CDF, one uniform)."""
-        cdf = np.cumsum(weights)
-        u = self.uniform() * cdf[-1]
-        return int(min(np.searchsorted(cdf, u, side="right"), len(weights) - 1))
+        return inverse_cdf(weights, self.uniform())
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,10 @@ def test_round_rule_pays_a_cost_step_for_the_whole_tree():
     assert rule.choose(np.log(np.full(31, 0.01)).tolist(), [1] * 31, 100) == 0  # 0.07 tokens do not pay 3 ms
 
 
+# 16 requests with 64 candidates of mass 0.6 each at depths 1..64, prefix 100: RoundWidth.allocate's arguments
+SIXTEEN_CONFIDENT = ([np.log(np.full(64, 0.6)).tolist()] * 16, [list(range(1, 65))] * 16, [100] * 16)
+
+
 def test_costs_past_the_probe_keep_rising_and_a_batch_of_trees_pays_for_them():
     # probed up to 128 packed tokens, costing 10 ms + 0.5 ms per row past 8 (no batched shapes probed)
     prof = profile_from(lambda n: 10.0 if n <= 8 else 10.0 + 0.5 * (n - 8))
@@ -97,11 +101,9 @@ def test_costs_past_the_probe_keep_rising_and_a_batch_of_trees_pays_for_them():
     # 16 requests with 64 confident candidates each (mass 0.6): at ~1 token/ms a node must pay its 0.5 ms,
     # and 16 x 64 nodes cost 522 ms of verify (a clamped cost, 70 ms for any total past 128, took them all at
     # any throughput)
-    rule = RoundWidth(prof, max_width=64, init_throughput=1.0)
-    taken = rule.allocate([np.log(np.full(64, 0.6)).tolist()] * 16, [list(range(1, 65))] * 16, [100] * 16)
+    taken = RoundWidth(prof, max_width=64, init_throughput=1.0).allocate(*SIXTEEN_CONFIDENT)
     assert sum(taken) == 16 * 64  # each pays 0.6 tokens for 0.5 ms: worth it at 1 token/ms
-    rule = RoundWidth(prof, max_width=64, init_throughput=1.5)
-    taken = rule.allocate([np.log(np.full(64, 0.6)).tolist()] * 16, [list(range(1, 65))] * 16, [100] * 16)
+    taken = RoundWidth(prof, max_width=64, init_throughput=1.5).allocate(*SIXTEEN_CONFIDENT)
     assert sum(taken) == 0  # 0.6 tokens for 0.5 ms is not worth it at 1.5 tokens/ms, however many
 
 
@@ -110,10 +112,9 @@ def test_a_known_plain_rate_bounds_lambda_from_below():
     # commit 1.5 tokens/ms: the round takes none of them then
     prof = profile_from(lambda n: 10.0 if n <= 8 else 10.0 + 0.5 * (n - 8))
     rule = RoundWidth(prof, max_width=64, init_throughput=1.0)
-    args = ([np.log(np.full(64, 0.6)).tolist()] * 16, [list(range(1, 65))] * 16, [100] * 16)
-    assert sum(rule.allocate(*args)) == 16 * 64
-    assert sum(rule.allocate(*args, min_throughput=1.5)) == 0
-    assert sum(rule.allocate(*args, min_throughput=0.5)) == 16 * 64  # a lower rate leaves lambda as it was
+    assert sum(rule.allocate(*SIXTEEN_CONFIDENT)) == 16 * 64
+    assert sum(rule.allocate(*SIXTEEN_CONFIDENT, min_throughput=1.5)) == 0
+    assert sum(rule.allocate(*SIXTEEN_CONFIDENT, min_throughput=0.5)) == 16 * 64  # a lower rate: lambda as it was
 
 
 def test_profile_round_trip(tmp_path):
