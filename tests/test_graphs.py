@@ -1,9 +1,12 @@
 """castspec/graphs.py: width buckets, padded static-shape forwards and their CUDA graphs.
 
 On CPU the padded forwards run eagerly (what a CUDA graph replays, minus the capture), and in fp32 they give the
-unpadded torch forward's bits for the real rows: logits, tapped features and the keys/values they write. With
+unpadded torch forward's bits for the real rows (where torch's own kernels are row-invariant, else its
+rounding): logits, tapped features and the keys/values they write. With
 `--device cuda` the same tests capture and replay CUDA graphs and compare within rounding.
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,9 +50,29 @@ def target(request, device):
     return native(make_hf(cfg, seed=1, device=device))
 
 
+@functools.lru_cache(maxsize=None)
+def torch_rows_invariant() -> bool:
+    """Whether torch's fp32 CPU kernels give a row the same bits whatever the row count, for the shapes of these
+    tests: a padded forward can only match the unpadded one bit for bit where they do. Some CPUs' BLAS picks
+    another kernel for 3 rows than for 4 (seen on an AMD EPYC with AVX-512; each within rounding)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 64, generator=g), torch.randn(8, 64, generator=g)
+    q, kv = torch.randn(1, 4, 8, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    for m in (1, 3, 5):
+        if not torch.equal(F.linear(x[:m], w), F.linear(x[:m + 1], w)[:m]):
+            return False
+        alone = F.scaled_dot_product_attention(q[:, :, :m], kv, kv, enable_gqa=True)
+        if not torch.equal(alone, F.scaled_dot_product_attention(q[:, :, :m + 1], kv, kv, enable_gqa=True)[:, :, :m]):
+            return False
+    return True
+
+
 def exact(device) -> dict:
-    """Bit for bit on CPU; within rounding on CUDA, whose kernels tile a forward by its shape."""
-    return dict(rtol=0, atol=0) if device.type == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    """Bit for bit on CPU where torch's kernels are row-invariant; within rounding on other CPUs and on CUDA,
+    whose kernels tile a forward by its shape."""
+    if device.type == "cpu":
+        return dict(rtol=0, atol=0) if torch_rows_invariant() else dict(rtol=1e-5, atol=1e-6)
+    return dict(rtol=1e-4, atol=1e-4)
 
 
 def prefilled(target, prompt, cache):

@@ -104,7 +104,8 @@ def tiles(request, lib):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("outputs,inner", [(37, 24), (200, 82), (48, 576), (100, 64)])  # partial/whole panels
+@pytest.mark.parametrize("outputs,inner", [(37, 24), (200, 82), (48, 576), (100, 64), (200, 1536)])  # partial/whole
+# panels; the last: blocks of 3 panels for several row groups, so several blocks per thread and a partial one
 def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, outputs, inner):
     """gemm.c, the whole native forwards' products: the fp32 sums of the rows (bf16 products are exact in fp32,
     so only the summation order differs from torch's) for every row count through several tiles, blocks and

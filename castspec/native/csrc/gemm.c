@@ -30,20 +30,61 @@
  * all of I lost accuracy against fp32 (greedy agreement, docs/performance.md). */
 #define KCHUNK 16
 #define BLOCK 24 /* panels per block: a multiple of every tile width below */
+/* Products of at least PREFETCH_MIN_ROWS rows fetch each weight line PREFETCH_LINES steps along I ahead: their
+ * compute per line is long enough that the hardware prefetcher falls behind (docs/performance.md). With several
+ * row groups, blocks hold at most BLOCK_BYTES of weights, so that the block being multiplied and the next one fit
+ * in a core's L2 together. Both overridable at build time, for tuning. */
+#ifndef PREFETCH_MIN_ROWS
+#define PREFETCH_MIN_ROWS 4
+#endif
+#ifndef PREFETCH_LINES
+#define PREFETCH_LINES 32
+#endif
+#ifndef BLOCK_BYTES
+#define BLOCK_BYTES (192 * 1024)
+#endif
 
-/* One tile: R rows x NB panels, both constants at every call site (the accumulators stay in registers). */
+/* What a tile fetches beside its loads (see PRODUCT): with `ahead`, the weight line `ahead` lines further along
+ * its panel, into L1; with `next`, on every `every`-th step from step `phase`, the line `next` elements on (the
+ * same line of the block its thread multiplies next), into L2. */
+typedef struct {
+    int ahead;
+    int64_t next;
+    int every, phase;
+} Fetch;
+
+/* Step i's countdown: whether step i fetches the next block's lines, then the countdown for step i + 1. */
+static inline __attribute__((always_inline)) int fetch_next_now(const Fetch *f, int *countdown) {
+    if (!f->next) return 0;
+    const int now = *countdown == 0;
+    *countdown = now ? f->every - 1 : *countdown - 1;
+    return now;
+}
+
+static inline __attribute__((always_inline)) void fetch_lines(const Fetch *f, const void *line, size_t esz, int now) {
+    if (f->ahead) _mm_prefetch((const char *)line + (int64_t)f->ahead * 64, _MM_HINT_T0);
+    if (now) _mm_prefetch((const char *)line + f->next * (int64_t)esz, _MM_HINT_T1);
+}
+
+/* One tile: R rows x NB panels along all of I, both constants at every call site (the accumulators stay in
+ * registers); each step along I loads one 64-byte line per panel. */
 static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, int64_t pstride, int I2,
                                                             const uint32_t *X, int64_t ldx2, int R, int NB,
-                                                            float *Y, int64_t ldy, int64_t valid) {
-    for (int p0 = 0; p0 < I2; p0 += KCHUNK) {
+                                                            float *Y, int64_t ldy, int64_t valid, Fetch f) {
+    int countdown = f.phase;
+    for (int p0 = 0; p0 < I2; p0 += KCHUNK) { /* each chunk sums from zero and is added to Y in order */
         const int pe = I2 - p0 < KCHUNK ? I2 : p0 + KCHUNK;
         __m512 acc[MAX_R][8];
         UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
             UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
         for (int p = p0; p < pe; ++p) {
             __m512bh w[8];
-            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
-                w[b] = (__m512bh)_mm512_loadu_si512(P + b * pstride + (int64_t)p * 32);
+            const int now = fetch_next_now(&f, &countdown);
+            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
+                const uint16_t *line = P + b * pstride + (int64_t)p * 32;
+                w[b] = (__m512bh)_mm512_loadu_si512(line);
+                fetch_lines(&f, line, sizeof(uint16_t), now);
+            }
             UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
                 const __m512bh x = (__m512bh)_mm512_set1_epi32((int)X[r * ldx2 + p]);
                 UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], x, w[b]);
@@ -61,13 +102,19 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, i
 
 static inline __attribute__((always_inline)) void tile_f32(const float *P, int64_t pstride, int I,
                                                            const float *X, int64_t ldx, int R, int NB, float *Y,
-                                                           int64_t ldy, int64_t valid) {
+                                                           int64_t ldy, int64_t valid, Fetch f) {
+    int countdown = f.phase;
     __m512 acc[MAX_R][8];
     UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
         UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
     for (int i = 0; i < I; ++i) {
         __m512 w[8];
-        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) w[b] = _mm512_loadu_ps(P + b * pstride + (int64_t)i * 16);
+        const int now = fetch_next_now(&f, &countdown);
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
+            const float *line = P + b * pstride + (int64_t)i * 16;
+            w[b] = _mm512_loadu_ps(line);
+            fetch_lines(&f, line, sizeof(float), now);
+        }
         UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
             const __m512 x = _mm512_set1_ps(X[r * ldx + i]);
             UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(w[b], x, acc[r][b]);
@@ -101,19 +148,36 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
     default: SWEEP(TILE, 1, 8); break;     \
     }
 
-/* The panels of this thread, in blocks; every group of up to MAX_R rows over each block. */
-#define PRODUCT(TILE)                                                                          \
-    const int panels = (O + 15) / 16;                                                          \
-    _Pragma("omp parallel") {                                                                  \
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();                         \
-        const int first = (int)((int64_t)panels * t / n), last = (int)((int64_t)panels * (t + 1) / n); \
-        for (int blk = first; blk < last; blk += BLOCK) {                                      \
-            const int np = last - blk < BLOCK ? last - blk : BLOCK;                            \
-            for (int m0 = 0; m0 < M; m0 += MAX_R) {                                            \
-                const int R = M - m0 < MAX_R ? M - m0 : MAX_R;                                 \
-                ROWS(TILE, R)                                                                  \
-            }                                                                                  \
-        }                                                                                      \
+/* Each thread walks its own range of panels in blocks, and every group of up to MAX_R rows passes over a block
+ * while it is in cache, so the weights stream from memory once whatever M is. The first group fetches its lines
+ * ahead; with several groups, every group also fetches its share of the next block's lines into L2, so that the
+ * stream overlaps all of the compute, and blocks are smaller (BLOCK_BYTES). The order of work changes no bits:
+ * every output sums the same steps in the same order. TILE(R, NB, b) sees blk, m0, fetch. */
+#define PRODUCT(TILE, panel_bytes)                                                                        \
+    const int panels = (O + 15) / 16, groups = (M + MAX_R - 1) / MAX_R;                                   \
+    const int ahead = M >= PREFETCH_MIN_ROWS ? PREFETCH_LINES : 0;                                        \
+    int block = BLOCK;                                                                                    \
+    if (groups > 1) {                                                                                     \
+        block = (int)(BLOCK_BYTES / (panel_bytes)) / 3 * 3; /* whole 8-row tiles */                       \
+        block = block < 3 ? 3 : block > BLOCK ? BLOCK : block;                                            \
+    }                                                                                                     \
+    _Pragma("omp parallel") {                                                                             \
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();                                    \
+        const int first = (int)((int64_t)panels * t / n), last = (int)((int64_t)panels * (t + 1) / n);    \
+        for (int blk = first; blk < last; blk += block) {                                                 \
+            const int np = last - blk < block ? last - blk : block;                                       \
+            const int64_t next = groups > 1 && blk + block < last ? (int64_t)block * pstride : 0;         \
+            for (int g = 0; g < groups; ++g) {                                                            \
+                const int m0 = g * MAX_R, R = M - m0 < MAX_R ? M - m0 : MAX_R;                            \
+                if ((g == 0 && ahead) || next) {                                                          \
+                    const Fetch fetch = {g == 0 ? ahead : 0, next, groups, g};                            \
+                    ROWS(TILE, R)                                                                         \
+                } else { /* a copy without the fetches' tests (TILE inlines a constant) */                \
+                    const Fetch fetch = {0, 0, 1, 0};                                                     \
+                    ROWS(TILE, R)                                                                         \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
     }
 
 #ifndef CASTSPEC_EMULATE
@@ -231,10 +295,10 @@ void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O,
 #endif
     const int64_t pstride = (int64_t)16 * I; /* elements per panel */
     const uint32_t *X2 = (const uint32_t *)X;
-#define TILE_BF16(R, NB, b)                                                                             \
+#define TILE_BF16(R, NB, b)                                                                                 \
     tile_bf16(P + (int64_t)(blk + (b)) * pstride, pstride, I / 2, X2 + (int64_t)m0 * (ldx / 2), ldx / 2, R, NB, \
-              Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16)
-    PRODUCT(TILE_BF16)
+              Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16, fetch)
+    PRODUCT(TILE_BF16, 32 * (int64_t)I)
 #undef TILE_BF16
 }
 
@@ -242,7 +306,7 @@ void gemm_f32(const float *P, const float *X, float *Y, int M, int O, int I, int
     const int64_t pstride = (int64_t)16 * I;
 #define TILE_F32(R, NB, b)                                                                              \
     tile_f32(P + (int64_t)(blk + (b)) * pstride, pstride, I, X + (int64_t)m0 * ldx, ldx, R, NB,           \
-             Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16)
-    PRODUCT(TILE_F32)
+             Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16, fetch)
+    PRODUCT(TILE_F32, 64 * (int64_t)I)
 #undef TILE_F32
 }

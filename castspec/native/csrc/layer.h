@@ -206,6 +206,26 @@ static void weigh_all(const float *p, int64_t pstride, int G, const float *V, in
     }
 }
 
+/* One query head's dot products with the keys [c0, c0 + w) of a 16-key chunk (slots keys[c0 + j], or c0 + j
+ * without a list), lane-wise: acc[j] sums the d/16 products of key j in order (hsum16 then sums the lanes), and
+ * acc[j] = 0 for j >= w. d is a constant at the common call sites (64, 128): the query then stays in registers
+ * and the loops unroll; the arithmetic is the same either way. */
+static inline __attribute__((always_inline)) void dot_keys(const float *qg, const float *K, const int32_t *keys,
+                                                           int c0, int w, int d, __m512 *acc) {
+    const int nv = d / 16;
+    __m512 qv[8];
+    if (nv <= 8) UNROLL_LOOP(8) for (int i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(qg + 16 * i);
+    UNROLL_LOOP(16) for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        if (j < w) {
+            const float *key = K + (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
+            UNROLL_LOOP(8) for (int i = 0; i < nv; ++i)
+                acc[j] = _mm512_fmadd_ps(nv <= 8 ? qv[i] : _mm512_loadu_ps(qg + 16 * i), _mm512_loadu_ps(key + 16 * i),
+                                         acc[j]);
+        }
+    }
+}
+
 /* Softmax attention of G query heads (q: G rows of d) sharing one key/value head, over the n keys they see, in
  * order: slots keys[0..n) of that head (keys NULL: slots [0, n)); out: G rows of d, fp32. p is scratch of G
  * rows of pstride >= n rounded up to 16 floats.
@@ -224,16 +244,10 @@ static void attend_heads(const float *q, int G, const float *K, const float *V, 
     for (int c0 = 0; c0 < n; c0 += 16) {
         const int w = n - c0 < 16 ? n - c0 : 16;
         for (int g = 0; g < G; ++g) { /* the chunk's 16 key rows stay in L1 across the heads */
-            const float *qg = q + (int64_t)g * d;
             __m512 acc[16];
-            for (int j = 0; j < 16; ++j) {
-                acc[j] = _mm512_setzero_ps();
-                if (j < w) {
-                    const float *key = K + (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
-                    for (int i = 0; i < d; i += 16)
-                        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(key + i), acc[j]);
-                }
-            }
+            if (d == 64) dot_keys(q + (int64_t)g * d, K, keys, c0, w, 64, acc);
+            else if (d == 128) dot_keys(q + (int64_t)g * d, K, keys, c0, w, 128, acc);
+            else dot_keys(q + (int64_t)g * d, K, keys, c0, w, d, acc);
             const __m512 sc =
                 _mm512_mask_blend_ps(lanes(n, c0), ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
             _mm512_storeu_ps(p + g * pstride + c0, sc);
