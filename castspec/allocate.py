@@ -175,10 +175,11 @@ class CostAware(Policy):
     def allocate(self, logprobs, prefixes, supports=None):
         cap = self.max_nodes(logprobs[0].shape[0]) if logprobs else 0
         self.batch = max(len(logprobs), 1)
-        trees = build_forest(logprobs, cap * len(logprobs), self.top_k_per_position, [cap] * len(logprobs),
-                             supports)
         # the measured rate of plain rounds bounds lambda from below: under load a plain round of B requests
         # commits far more per ms than one request's, and a tree node that does not beat it is a loss
+        stop = self.rule.stop_rule(prefixes, self.plain_rate)
+        trees = build_forest(logprobs, cap * len(logprobs), self.top_k_per_position, [cap] * len(logprobs),
+                             supports, stop)
         counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes, self.plain_rate)
         return [t.head(c) for t, c in zip(trees, counts)]
 

@@ -17,18 +17,34 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 
-def extend_interp(x: float, xs: list, ys: list) -> float:
+def extend_interp(x, xs: list, ys: list):
     """np.interp inside the probed points; past the last one, the last segment's slope goes on (never
     downward). Packed counts beyond the probe are real under load (B requests' trees in one verify): clamping
-    them to the last probed cost made a verify of 16 requests x 64 nodes look as cheap as one of 64."""
-    if x <= xs[-1] or len(xs) < 2:
-        return float(np.interp(x, xs, ys))
-    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
-    return float(ys[-1] + slope * (x - xs[-1]))
+    them to the last probed cost made a verify of 16 requests x 64 nodes look as cheap as one of 64. A float
+    for a number x, an array for an array."""
+    x = np.asarray(x, dtype=float)
+    out = np.interp(x, xs, ys)
+    if len(xs) >= 2:
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        out = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), out)
+    return float(out) if out.ndim == 0 else out
+
+
+def interp_rows(x: float, xp: list, rows: np.ndarray) -> np.ndarray:
+    """np.interp(x, xp, column) for every column of rows [len(xp), n] at once, with the same arithmetic."""
+    rows = np.asarray(rows, dtype=float)
+    if x <= xp[0] or len(xp) < 2:
+        return rows[0]
+    if x >= xp[-1]:
+        return rows[-1]
+    j = int(np.searchsorted(xp, x, side="right")) - 1
+    slope = (rows[j + 1] - rows[j]) / (xp[j + 1] - xp[j])
+    return slope * (x - xp[j]) + rows[j]
 
 
 @dataclass
@@ -47,12 +63,15 @@ class CostProfile:
     # profiles written before floors were measured.
     floor: dict | None = None
 
-    def verify_at(self, n: float, prefix: float) -> float:
-        rows = [extend_interp(n, self.packed, row) for row in self.verify_ms]
-        return float(np.interp(prefix, self.prefix_lens, rows))
+    def verify_at(self, n, prefix: float):
+        """Verify latency of one request's forward of n packed tokens (a float; an array for an array of n)."""
+        rows = np.stack([np.atleast_1d(extend_interp(n, self.packed, row)) for row in self.verify_ms])
+        out = interp_rows(prefix, self.prefix_lens, rows)
+        return float(out[0]) if np.ndim(n) == 0 else out
 
-    def batch_verify_at(self, batch: int, n_total: float, prefix: float) -> float:
-        """Verify latency of one ragged forward of `batch` requests with `n_total` packed tokens in all.
+    def batch_verify_at(self, batch: int, n_total, prefix: float):
+        """Verify latency of one ragged forward of `batch` requests with `n_total` packed tokens in all (a float;
+        an array for an array of totals).
 
         Interpolated over the probed batch sizes; without batched measurements (or at B = 1) the single-request
         curve at the same total is the estimate (the projections, which dominate, see only the total)."""
@@ -60,7 +79,7 @@ class CostProfile:
         if batch == 1 or not probed:
             return self.verify_at(n_total, prefix)
 
-        def at(b: int) -> float:
+        def at(b: int):
             entry = self.batch[str(b)]
             return extend_interp(n_total, entry["packed"], entry["verify_ms"])
 
@@ -68,13 +87,16 @@ class CostProfile:
         hi = min([b for b in probed if b >= batch], default=probed[-1])
         if lo == hi:
             return at(lo)
-        return float(np.interp(batch, [lo, hi], [at(lo), at(hi)]))
+        out = interp_rows(batch, [lo, hi], np.stack([np.atleast_1d(at(lo)), np.atleast_1d(at(hi))]))
+        return float(out[0]) if np.ndim(n_total) == 0 else out
 
-    def host_at(self, width: int) -> float:
+    def host_at(self, width):
+        """Host work per round at width N (a float; an array for an array of widths)."""
         if not self.host_ms:
-            return 0.0
+            return 0.0 if np.ndim(width) == 0 else np.zeros(np.shape(width))
         xs = sorted(int(k) for k in self.host_ms)
-        return float(np.interp(width, xs, [self.host_ms[str(x)] for x in xs]))
+        out = np.interp(width, xs, [self.host_ms[str(x)] for x in xs])
+        return float(out) if np.ndim(width) == 0 else out
 
     def round_ms(self, width: int, prefix: float) -> float:
         """l(N): one round at width N (N = 0 is a plain autoregressive step without a draft)."""
@@ -90,9 +112,8 @@ class CostProfile:
     def verify_table(self, max_width: int, prefix: float, batch: int = 1) -> np.ndarray:
         """h(N) + verify(N + B) for N = 0..max_width tree nodes in all (non-decreasing): a round's cost once its
         draft is paid, for B requests (each with its root) in one ragged verify."""
-        table = np.array([self.host_at(w) + self.batch_verify_at(batch, w + batch, prefix)
-                          for w in range(max_width + 1)])
-        return np.maximum.accumulate(table)
+        widths = np.arange(max_width + 1)
+        return np.maximum.accumulate(self.host_at(widths) + self.batch_verify_at(batch, widths + batch, prefix))
 
     @property
     def max_width(self) -> int:
@@ -239,14 +260,41 @@ class RoundWidth:
         self.calibration = calibration
         self.momentum = momentum
         self.lam = init_throughput
-        self._tables: dict[tuple[int, int], np.ndarray] = {}  # (prefix bucket, batch size) -> verify table
+        # (prefix bucket, batch size) -> verify table l, and the least average slope of l after each count
+        self._tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def _table(self, prefix: int, batch: int) -> np.ndarray:
+    def _costs(self, prefix: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
         bucket = int(2 ** round(math.log2(max(prefix, 16))))  # a few tables per run, not one per round
         if (bucket, batch) not in self._tables:
             # the draft is already paid when the round decides its width: only verify + host costs are marginal
-            self._tables[bucket, batch] = self.profile.verify_table(self.max_width * batch, bucket, batch)
+            table = self.profile.verify_table(self.max_width * batch, bucket, batch)
+            # slopes[n] = min over m > n of (l(m) - l(n)) / (m - n): what any later node costs at least, on average
+            slopes = np.full(len(table), np.inf)
+            for n in range(len(table) - 1):
+                slopes[n] = np.min((table[n + 1:] - table[n]) / np.arange(1, len(table) - n))
+            self._tables[bucket, batch] = table, slopes
         return self._tables[bucket, batch]
+
+    def _table(self, prefix: int, batch: int) -> np.ndarray:
+        return self._costs(prefix, batch)[0]
+
+    def _lambda(self, min_throughput: float | None) -> float | None:
+        if self.lam is None or min_throughput is None:
+            return self.lam
+        return max(self.lam, min_throughput)
+
+    def stop_rule(self, prefixes: list[int], min_throughput: float | None = None) -> Callable[[int, float], bool] | None:
+        """For build_forest: a test that ends a batched round's best-first selection once no further node can
+        change what `allocate` picks, so a round of B requests builds the few nodes that pay, not B full trees.
+        After n nodes, any later prefix adds at most the best remaining mass per node and costs at least
+        slopes[n] per node; when that mass is at most lambda * slopes[n], none beats the best so far. None where
+        the bound does not hold: before lambda is measured (allocate then derives it from all the masses) and
+        with calibrated masses (which need not fall along the order)."""
+        lam = self._lambda(min_throughput)
+        if lam is None or self.calibration is not None:
+            return None
+        slopes = self._costs(int(np.mean(prefixes)) if prefixes else 0, len(prefixes))[1]
+        return lambda taken, score: taken >= len(slopes) - 1 or math.exp(score) <= lam * slopes[taken]
 
     def choose(self, scores: list[float], depths: list[int], prefix: int) -> int:
         """Width for this round from its best-first node scores (log masses, descending)."""
@@ -266,12 +314,12 @@ class RoundWidth:
                 m = self.calibration.apply(dp[:len(m)], m)
             masses.append(m)
         table = self._table(int(np.mean(prefixes)) if prefixes else 0, B)
-        lam = self.lam
+        lam = self._lambda(min_throughput)
         if lam is None:
             merged = np.sort(np.concatenate(masses))[::-1] if masses else np.zeros(0)
             lam = float(np.max(throughput(merged, table[:len(merged) + 1], roots=B)))
-        if min_throughput is not None:
-            lam = max(lam, min_throughput)
+            if min_throughput is not None:
+                lam = max(lam, min_throughput)
         # every request's candidates in one best-first order (each request's own order kept, so its trees
         # stay prefix-closed), then the prefix of that order maximizing gain - lambda * cost: the greedy stop
         # "add while rho >= lambda * delta l" is the same answer on convex costs, but measured costs have steps

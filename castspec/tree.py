@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -136,13 +137,16 @@ def build_tree(logprobs: torch.Tensor, width: int, top_k_per_position: int | Non
 
 def build_forest(logprobs: list[torch.Tensor], budget: int, top_k_per_position: int,
                  max_width: list[int] | None = None,
-                 supports: list[torch.Tensor | None] | None = None) -> list[Tree]:
+                 supports: list[torch.Tensor | None] | None = None,
+                 stop: Callable[[int, float], bool] | None = None) -> list[Tree]:
     """Global best-first selection over several requests sharing one budget of `budget` nodes in total.
 
     Every request's candidates compete in one heap, so the shared budget goes to the highest-scoring strings
     wherever they are (unequal widths). `max_width` optionally caps each request. `supports` optionally gives
     each request's column token ids (None: its columns are the whole vocabulary), as in `build_tree`. Strings
-    of probability 0 (log-probability -inf) are never taken.
+    of probability 0 (log-probability -inf) are never taken. `stop(taken, score)`, asked before each node with
+    the number taken so far and the best remaining score, ends the selection when it says so (the cost rule's
+    proof that no further node can pay: RoundWidth.stop_rule).
     """
     if budget < 0 or top_k_per_position < 1:
         raise ValueError(f"width must be >= 0 and top_k_per_position >= 1 (got {budget}, {top_k_per_position})")
@@ -162,6 +166,8 @@ def build_forest(logprobs: list[torch.Tensor], budget: int, top_k_per_position: 
     heapq.heapify(heap)
     taken = 0
     while heap and taken < budget:
+        if stop is not None and stop(taken, -heap[0][0]):
+            break
         neg, depth, _, r, parent, rank = heapq.heappop(heap)
         if neg == float("inf"):  # only zero-probability strings are left (outside a draft vocabulary)
             break

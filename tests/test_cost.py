@@ -3,9 +3,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from castspec import allocate
 from castspec.allocate import PolicySpec, make_policy
 from castspec.config import DecodeConfig
 from castspec.cost import Calibration, CostProfile, RoundWidth, throughput, width_affine, width_table
@@ -115,6 +117,51 @@ def test_a_known_plain_rate_bounds_lambda_from_below():
     assert sum(rule.allocate(*SIXTEEN_CONFIDENT)) == 16 * 64
     assert sum(rule.allocate(*SIXTEEN_CONFIDENT, min_throughput=1.5)) == 0
     assert sum(rule.allocate(*SIXTEEN_CONFIDENT, min_throughput=0.5)) == 16 * 64  # a lower rate: lambda as it was
+
+
+def _batched_profile():
+    """A profile with batched shapes: one request's verify flat to 8 rows, then 0.4 ms per row; batches dearer."""
+    prof = profile_from(lambda n: 10.0 if n <= 8 else 10.0 + 0.4 * (n - 8))
+    prof.host_ms = {"0": 0.1, "15": 0.3, "63": 0.6}
+    for b in (2, 4, 16):
+        prof.batch[str(b)] = {"packed": [b, 4 * b, 16 * b], "verify_ms": [10.0 + b, 12.0 + 0.5 * b, 14.0 + 7.0 * b],
+                              "draft_ms": 1.0}
+    return prof
+
+
+def test_the_verify_table_is_the_pointwise_costs_at_once():
+    prof = _batched_profile()
+    for batch, prefix in [(1, 100), (3, 60), (16, 250), (20, 100)]:
+        table = prof.verify_table(40 * batch, prefix, batch)
+        pointwise = np.maximum.accumulate([prof.host_at(w) + prof.batch_verify_at(batch, w + batch, prefix)
+                                           for w in range(40 * batch + 1)])
+        np.testing.assert_allclose(table, pointwise, rtol=1e-12)
+        assert isinstance(prof.verify_at(37, prefix), float) and isinstance(prof.host_at(7), float)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_a_batched_round_builds_only_the_nodes_that_can_pay(batch, monkeypatch):
+    """The cost policy's early stop (RoundWidth.stop_rule) ends the best-first selection once no further node can
+    pay: the same trees as selecting every candidate and cutting after, from far fewer nodes under load."""
+    prof = _batched_profile()
+    g = torch.Generator().manual_seed(batch)
+    lps = [torch.log_softmax(torch.randn(8, 40, generator=g) * 3, dim=-1) for _ in range(batch)]
+    spec = PolicySpec.for_request(DecodeConfig(method="cast", width="auto"))
+    selected = []  # the trees build_forest returned, before the rule cut them
+    real = allocate.build_forest
+    monkeypatch.setattr(allocate, "build_forest", lambda *a, **k: selected.append(real(*a, **k)) or selected[-1])
+    for lam in (0.05, 0.3, 1.0):
+        fast, full = make_policy(spec, 8, prof), make_policy(spec, 8, prof)
+        full.rule.stop_rule = lambda *a, **k: None
+        trees = []
+        for pol in (fast, full):
+            pol.rule.lam, pol.plain_rate = lam, 0.5 * lam
+            trees.append(pol.allocate(lps, [100] * batch))
+        assert trees[0] == trees[1], lam
+        examined, everything = (sum(len(t) for t in forest) for forest in selected[-2:])
+        assert examined <= everything
+        if batch == 16 and lam >= 0.3:  # few nodes pay: the selection stops long before 16 whole trees
+            assert examined < everything / 2
 
 
 def test_profile_round_trip(tmp_path):
