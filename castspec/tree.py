@@ -103,6 +103,11 @@ def _ties_by_token_id(row: torch.Tensor, support: torch.Tensor | None, vals: lis
     first; a value tied at the k-th place is looked up over the whole row, so the tokens kept do not depend on
     which columns the row has (full vocabulary or a support)."""
     kth = vals[k - 1]
+    if len(vals) == k or vals[k] < kth:
+        # no token outside the list holds the k-th value (it would rank above the (k+1)-th): the list decides,
+        # without a look over the row (ties are common: the drafter's logits come from bf16 products)
+        ranked = sorted((-v, t) for v, t in zip(vals, ids))[:k]
+        return [-v for v, _ in ranked], [t for _, t in ranked]
     ranked = sorted((-v, t) for v, t in zip(vals, ids) if v > kth)
     if kth == float("-inf"):
         # probability-0 candidates are never taken, so which of them fill the list does not matter

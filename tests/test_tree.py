@@ -155,6 +155,8 @@ def test_equal_log_probabilities_rank_by_token_id():
     row = torch.tensor([[-2.0, -1.0, -3.0, -1.0, -2.0, -1.0, -2.0]])
     assert build_tree(row, 4, 4).tokens == [1, 3, 5, 0]  # the smallest id among the -2.0s takes the 4th place
     assert build_tree(row, 2, 2).tokens == [1, 3]
+    inside = torch.tensor([[-2.0, -1.0, -3.0, -1.0, -5.0, -1.0]])  # ties above the k-th place only
+    assert build_tree(inside, 3, 3).tokens == [1, 3, 5] and build_tree(inside, 4, 4).tokens == [1, 3, 5, 0]
     support = torch.tensor([6, 4, 2, 3, 1, 0, 5])  # unsorted columns: the rule goes by token id, not by column
     assert build_tree(row[:, support], 4, 4, support=support) == build_tree(row, 4, 4)
     assert build_tree(row[:, support], 7, 7, support=support).tokens == [1, 3, 5, 0, 4, 6, 2]

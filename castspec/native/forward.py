@@ -84,11 +84,6 @@ def _tables(rope, keep: _Kept) -> tuple[int, int]:
     return tuple(keep(t.float().contiguous()) for t in (rope.cos, rope.sin))
 
 
-# The drafter's block pass on AVX-512 tiles: above this many rows oneDNN's blocked products (and the torch forward
-# around them) were faster where this was tuned (docs/performance.md); on AMX tiles (csrc/gemm.c) any number of
-# rows runs natively. Its bits do not decide which tokens are committed, so it may leave larger passes to
-# torch; the target's forward may not (max_rows).
-DRAFT_MAX_ROWS = {torch.bfloat16: 16, torch.float32: 12}
 # The most rows one native target call takes: a longer forward (a prompt chunk, a large serving batch) runs as
 # consecutive calls of at most this many rows, since attention's scratch grows with rows times the cache length.
 CHUNK = 64
@@ -104,13 +99,10 @@ def max_rows(dtype: torch.dtype) -> int | None:
 
 def draft_max_rows(dtype: torch.dtype) -> int | None:
     """The most block rows a native drafter pass takes (None: any number; CASTSPEC_NATIVE_ROWS overrides it
-    too)."""
+    too). Any number since gemm.c streams multi-row products ahead of their compute: a batched pass (16
+    requests' blocks, 256 rows) ran faster natively than on oneDNN's blocked products (docs/performance.md)."""
     override = env.native_rows()
-    if override is not None:
-        return override
-    lib = native.library()
-    amx = lib is not None and dtype == torch.bfloat16 and lib.gemm_amx_on()
-    return native.row_limit(None if amx else DRAFT_MAX_ROWS.get(dtype, 0))
+    return native.row_limit(None) if override is None else override
 
 
 def _within(n: int, limit: int | None) -> bool:
@@ -334,7 +326,7 @@ class NativeDraft:
     def accepts(drafter, block_emb, block_pos, features, ctx_pos, segments) -> bool:
         """Whether draft.c takes this `DFlashDrafter.forward_segments` call: every request with a cache it can
         write (decoding, not training) and room there for its context and block, no masks, the blocks at most
-        draft_max_rows(dtype) rows in all (on AVX-512 tiles, oneDNN's blocked products win beyond that)."""
+        draft_max_rows(dtype) rows in all."""
         if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
                 or not _within(block_emb.shape[1], draft_max_rows(drafter.dtype)):
             return False
