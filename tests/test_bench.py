@@ -8,6 +8,7 @@ import pytest
 from castspec.bench import agreement
 from castspec.bench import engine as engine_bench
 from castspec.bench import products as products_bench
+from castspec.bench import rounds as rounds_bench
 from castspec.bench.harness import MethodSpec, builtin_prompts
 from castspec.bench.stats import paired_bootstrap
 from castspec.cli import main
@@ -129,6 +130,29 @@ def test_products_benchmark_end_to_end(tmp_path, capsys):
     with pytest.raises(SystemExit):
         products_bench.main(["--rows", "1,x", "--out", str(out)])
     assert "--rows must be positive integers" in capsys.readouterr().err
+
+
+def test_rounds_benchmark_end_to_end(tmp_path, capsys):
+    """`python -m castspec.bench.rounds` on a tiny target and drafter: per batch and policy the tokens committed
+    (the same for every policy: greedy is exact), drafted rounds only where the policy drafts; a bad policy is a
+    one-line usage error."""
+    hf = make_hf(llama_config(vocab=24))
+    hf.save_pretrained(tmp_path / "target")
+    tiny_tokenizer(24).save_pretrained(tmp_path / "target")
+    save_drafter(random_drafter(native(hf)), tmp_path / "drafter")
+    out = tmp_path / "rounds.json"
+    assert rounds_bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                              "--dtype", "fp32", "--batch", "1,3", "--policy", "ar,fixed:3,cost",
+                              "--max-tokens", "6", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["batch"], r["policy"]) for r in results] == [(b, p) for b in (1, 3) for p in ("ar", "fixed:3", "cost")]
+    for b in (1, 3):
+        got = [r for r in results if r["batch"] == b]
+        assert len({r["tokens"] for r in got}) == 1 and 0 < got[0]["tokens"] <= 6 * b
+        assert "drafted" not in got[0] and got[1]["drafted"]["rounds"] > 0 and got[1]["drafted"]["median_packed"] > b
+    with pytest.raises(SystemExit):
+        rounds_bench.main(["--policy", "fast", "--out", str(out)])
+    assert "unknown policy spec" in capsys.readouterr().err
 
 
 def test_agreement_end_to_end(bench_dirs, tmp_path, capsys):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from castspec import env
 from castspec.native import abi
 from castspec.native import build as native
-from castspec.native.linear import WeightPack, linear, packing_available
+from castspec.native.linear import PanelPack, WeightPack, linear, packing_available, panel_linear
 from castspec.native.pack import pack_panels, packable
 from native_support import mode as native_mode
 from native_support import native_library
@@ -125,6 +125,28 @@ def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, ou
     # the packed layout keeps whole panels of rows in place: draft.c multiplies by a slice of them
     tail = _gemm(lib, pack_panels(w[16:]), x[:3].contiguous(), outputs - 16)[:, :outputs - 16]
     assert torch.equal(_gemm(lib, packed[1:], x[:3].contiguous(), outputs - 16)[:, :outputs - 16], tail)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear_takes_any_row_count(lib, dtype):
+    """panel_linear (the drafter's head on gemm.c): fp32 sums of x rounded to the weight's dtype, for any number
+    of rows and leading shape; the pack follows an in-place change; no answer where gradients are on."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 48, generator=g).to(dtype)
+    pack = PanelPack()
+    for rows in (1, 5, 17, 40):
+        x = torch.randn(rows, 48, generator=g)
+        with torch.inference_mode():
+            got = panel_linear(x.view(1, rows, 48), w, pack)
+        assert got.dtype == torch.float32 and got.shape == (1, rows, 70)
+        torch.testing.assert_close(got[0], x.to(dtype).double() @ w.double().T, rtol=1e-5, atol=1e-4,
+                                   check_dtype=False)
+    with torch.no_grad():
+        w.mul_(2)
+        torch.testing.assert_close(panel_linear(x, w, pack), x.to(dtype).double() @ w.double().T, rtol=1e-5,
+                                   atol=1e-4, check_dtype=False)
+    with torch.enable_grad():
+        assert panel_linear(x, w, pack) is None
 
 
 def test_packing_refuses_what_gemm_cannot_multiply():

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..config import DrafterConfig
 from ..native.dispatch import NativeSwitch
-from ..native.linear import WeightPack, linear
+from ..native.linear import PanelPack, WeightPack, linear, panel_linear
 from ..tree import Marginals
 from .kvcache import KVCache, cache_dtype
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
@@ -82,6 +82,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
         self._sub_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target head it came from, its rows)
         self._sub_pack = WeightPack()
+        self._sub_panels = PanelPack()
         self.backend = NativeSwitch.for_drafter()  # which code runs forward_segments: native or torch
         self.graphs = None  # castspec/graphs.py: padded static-shape passes (CUDA graphs), when enabled
 
@@ -100,7 +101,11 @@ class DFlashDrafter(nn.Module):
         log-probabilities of its tokens alone [N, S] (fp32) and their ids, which is all a tree needs."""
         if self.draft_vocab is None:
             return Marginals.dense(torch.log_softmax(target.vocab_scores(rows).float(), dim=-1))
-        sub = torch.log_softmax(linear(rows, self.vocab_head(target), None, self._sub_pack).float(), dim=-1)
+        head = self.vocab_head(target)
+        scores = panel_linear(rows, head, self._sub_panels)  # gemm.c where it runs: near the read rate
+        if scores is None:
+            scores = linear(rows, head, None, self._sub_pack)
+        sub = torch.log_softmax(scores.float(), dim=-1)
         return Marginals(sub, self.draft_vocab, target.head_weight.shape[0])
 
     def vocab_head(self, target) -> torch.Tensor:

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import env
+from . import build as native
 from .build import skinny_linear
+from .pack import pack_panels, packable
 
 log = logging.getLogger("castspec")
 
@@ -131,3 +133,38 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             out = fn(x.reshape(1, -1).detach(), weight.detach()).view(*x.shape[:-1], weight.shape[0])
             return out if bias is None else out.to(x.dtype) + bias
     return F.linear(x, weight, bias)
+
+
+class PanelPack:
+    """The copy of one weight packed once into gemm.c's panels (native/pack.py), remade if the weight changes."""
+
+    def __init__(self):
+        self._key = None
+        self._packed: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        version = None if weight.is_inference() else weight._version
+        key = (weight.data_ptr(), version, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
+        if key != self._key:
+            self._packed, self._key = pack_panels(weight.detach()), key
+        return self._packed
+
+
+def panel_linear(x: torch.Tensor, weight: torch.Tensor, pack: PanelPack) -> torch.Tensor | None:
+    """x [..., I] @ weight [O, I]^T through gemm.c's products for any number of rows: fp32 sums, x rounded to
+    weight's dtype as it enters; None where they do not apply (no native library or a portable one, which takes
+    single rows; not on the CPU; gradients on; a weight gemm.c cannot multiply). The torch forward's oneDNN
+    kernels stream weights far below the read rate at these shapes on some CPUs (docs/performance.md), which
+    made the drafter's head a third of its pass there."""
+    lib = native.library()
+    if (lib is None or native.row_limit(None) is not None or torch.is_grad_enabled() or x.device.type != "cpu"
+            or weight.device.type != "cpu" or not packable(weight)):
+        return None
+    O, I = weight.shape
+    rows = x.numel() // I
+    xs = torch.zeros(-(-rows // 16) * 16, I, dtype=weight.dtype)  # whole groups of 16 rows (AMX tiles read them)
+    xs[:rows] = x.reshape(rows, I)
+    out = torch.empty(rows, O, dtype=torch.float32)
+    entry = lib.gemm_bf16_f32 if weight.dtype == torch.bfloat16 else lib.gemm_f32
+    entry(pack.get(weight).data_ptr(), xs.data_ptr(), out.data_ptr(), rows, O, I, I, O)
+    return out.view(*x.shape[:-1], O)
