@@ -32,8 +32,9 @@ class Policy:
                  supports: list[torch.Tensor | None] | None = None) -> list[Tree]:
         raise NotImplementedError
 
-    def should_draft(self) -> bool:
-        """Whether this round drafts at all (a round without a draft is a plain autoregressive step)."""
+    def should_draft(self, batch: int = 1) -> bool:
+        """Whether this round, of `batch` requests that could draft, drafts at all (a round without a draft is a
+        plain autoregressive step)."""
         return True
 
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
@@ -112,6 +113,11 @@ class SharedBudget(Policy):
         return build_forest(logprobs, self.budget, self.top_k_per_position, supports=supports)
 
 
+# Before a drafted round has been measured, batched drafting is skipped only where it could not pay even if every
+# request committed this many tokens per round (twice a plain round's) with its tree's nodes verified for free.
+PRIOR_TOKENS = 2.0
+
+
 class CostAware(Policy):
     """Global best-first with the budget chosen from measured costs: keep adding the best remaining candidate
     of any request while its mass pays for the extra packed token at the running throughput (RoundWidth).
@@ -151,6 +157,10 @@ class CostAware(Policy):
         self.skipped = 0  # plain rounds since the last drafted one
         self.burst: list[float] | None = None  # [request-rounds left, committed, ms] of a running try
         self.batch = 1  # requests in the last drafted round
+        self.nodes = 0  # tree nodes the last drafted round verified, over all its requests
+        # per drafting request in a drafted round (EMA): tokens committed and tree nodes verified
+        self.request_tokens: float | None = None
+        self.request_nodes = 0.0
 
     def _plain_rate(self) -> float:
         """Measured once plain rounds have run; before that, the profile's price of a verify of B roots."""
@@ -163,8 +173,30 @@ class CostAware(Policy):
     def max_nodes(self, depth: int) -> int:
         return min(self.rule.max_width, universe_size(depth, self.top_k_per_position))
 
-    def should_draft(self) -> bool:
-        if self.drafted < self.min_drafted or self.draft_rate is None or self.burst is not None:
+    def draft_could_pay(self, batch: int) -> bool:
+        """Whether a drafted round of `batch` requests is predicted to commit more per ms than a plain one, both
+        priced by the profile (its batched drafter pass and verify) at the acceptance drafted rounds have shown
+        per request (tokens and nodes). Acceptance does not depend on the batch; the cost of drafting does (a
+        pass for 16 requests' blocks is mostly compute and can cost about a plain round). Before drafted rounds
+        are measured, with PRIOR_TOKENS per request and no node cost; True where the profile has no batched
+        shapes."""
+        prof = self.rule.profile
+        prefix = prof.prefix_lens[0]
+        draft = prof.batch_draft_at(batch, prefix)
+        if draft is None:
+            return True
+        tokens, nodes = (PRIOR_TOKENS, 0.0) if self.request_tokens is None else (self.request_tokens,
+                                                                                 self.request_nodes * batch)
+        drafted_ms = draft + prof.batch_verify_at(batch, batch + nodes, prefix) + prof.host_at(nodes)
+        plain_ms = prof.batch_verify_at(batch, batch, prefix) + prof.host_at(0)
+        return batch * tokens / max(drafted_ms, 1e-6) >= batch / max(plain_ms, 1e-6)
+
+    def should_draft(self, batch: int = 1) -> bool:
+        if self.burst is not None:
+            return True
+        if batch > 1 and not self.draft_could_pay(batch):
+            return False  # under load the profile prices drafting out, whatever it has measured so far
+        if self.drafted < self.min_drafted or self.draft_rate is None:
             return True
         if self.plain_rate is None:
             # measure one plain round before comparing: until then the plain rate is the profile's guess, and
@@ -181,6 +213,7 @@ class CostAware(Policy):
         trees = build_forest(logprobs, cap * len(logprobs), self.top_k_per_position, [cap] * len(logprobs),
                              supports, stop)
         counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes, self.plain_rate)
+        self.nodes = sum(counts)
         return [t.head(c) for t, c in zip(trees, counts)]
 
     def observe(self, tree: Tree, path: list[int]) -> None:
@@ -192,12 +225,23 @@ class CostAware(Policy):
             self.skipped += 1
             self.plain_rate = rate if self.plain_rate is None else \
                 self.momentum * self.plain_rate + (1 - self.momentum) * rate
-            if self.skipped >= self.explore_every:
+            # a plain round commits one token per request: `committed` is its batch. Under load, a try that the
+            # profile says cannot pay at this batch waits for the longest gap (the acceptance it assumes may be
+            # stale); one request's tries go by the measured rates alone, which compare like with like
+            batch = committed
+            if self.skipped >= self.explore_every and (batch == 1 or self.draft_could_pay(batch)
+                                                       or self.skipped >= self.max_explore):
                 self.burst = [self.try_rounds, 0.0, 0.0]
             return
         first = self.drafted == 0
         self.drafted += self.batch
         self.skipped = 0
+        tokens, nodes = committed / self.batch, self.nodes / self.batch
+        if self.request_tokens is None:
+            self.request_tokens, self.request_nodes = tokens, nodes
+        else:
+            self.request_tokens = self.momentum * self.request_tokens + (1 - self.momentum) * tokens
+            self.request_nodes = self.momentum * self.request_nodes + (1 - self.momentum) * nodes
         if first:
             return
         self.rule.update(committed, round_ms)

@@ -90,6 +90,18 @@ class CostProfile:
         out = interp_rows(batch, [lo, hi], np.stack([np.atleast_1d(at(lo)), np.atleast_1d(at(hi))]))
         return float(out[0]) if np.ndim(n_total) == 0 else out
 
+    def batch_draft_at(self, batch: int, prefix: float) -> float | None:
+        """One drafter pass for `batch` requests: the single-request pass at B = 1, else interpolated over the
+        probed batch sizes (past the largest, the last slope goes on); None without batched measurements."""
+        if batch <= 1:
+            return float(np.interp(prefix, self.prefix_lens, self.draft_ms))
+        if not self.batch:
+            return None
+        probed = sorted(int(b) for b in self.batch)
+        xs = [1, *probed]
+        ys = [float(np.interp(prefix, self.prefix_lens, self.draft_ms)), *(self.batch[str(b)]["draft_ms"] for b in probed)]
+        return extend_interp(batch, xs, ys)
+
     def host_at(self, width):
         """Host work per round at width N (a float; an array for an array of widths)."""
         if not self.host_ms:

@@ -144,7 +144,7 @@ def draft(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence],
     sequence's marginals [depth, V] with their support (None for those that do not draft)."""
     marginals: list[Marginals | None] = [None] * len(seqs)
     drafting = [i for i, s in enumerate(seqs) if s.decoding and s.wants_draft()] if policy is not None else []
-    if not drafting or not policy.should_draft():
+    if not drafting or not policy.should_draft(len(drafting)):
         return marginals
     L = drafter.cfg.num_draft_positions
     chosen = [seqs[i] for i in drafting]

@@ -291,6 +291,31 @@ def test_cost_policy_keeps_its_back_off_after_a_try_that_wins_alone():
     assert not policy.should_draft() and policy.explore_every == 4
 
 
+@pytest.mark.parametrize("batch_draft_ms,tries", [(100.0, False), (1.0, True)])
+def test_cost_policy_skips_tries_the_profile_prices_out_under_load(batch_draft_ms, tries):
+    # 16 requests: a plain round costs 20 ms; drafted rounds committed 1.5 tokens per request with one node each.
+    # With a drafter pass for 16 blocks of 100 ms no try can pay (24 tokens in ~130 ms against 16 in 20): the
+    # policy waits for its longest gap; with a 1 ms pass (24 tokens in ~30 ms) it tries as before
+    prof = flat_profile(0.0)
+    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": batch_draft_ms}}
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
+                       max_explore_every=16)
+    assert policy.should_draft(1) and policy.should_draft(16) == tries  # before any measurement: PRIOR_TOKENS
+    policy.batch, policy.nodes = 16, 16
+    policy.update(24, 200.0)  # warm-up round
+    policy.update(24, 300.0)  # 0.08 tokens/ms, against plain rounds' 0.8 below
+    assert policy.request_tokens == pytest.approx(1.5) and policy.request_nodes == pytest.approx(1.0)
+    assert policy.draft_could_pay(16) == tries and policy.draft_could_pay(1)
+    drafted_after = []
+    for plain_round in range(1, 17):
+        assert not policy.should_draft(16)
+        policy.update(16, 20.0, drafted=False)
+        if policy.should_draft(16):
+            drafted_after.append(plain_round)
+            break
+    assert drafted_after == ([4] if tries else [16])
+
+
 def test_cost_policy_measures_a_plain_round_before_trusting_the_profile():
     # a profile probed on a busy machine: plain steps look 10x slower than they are
     slow = CostProfile({}, [1, 2, 4], [0, 1024], [[100.0, 100.0, 100.0]] * 2, [1.0, 1.0])
