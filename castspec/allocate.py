@@ -137,6 +137,10 @@ class CostAware(Policy):
     estimate: its drafter pass also reads the whole prompt's features, so it costs more than later passes; nor
     does a round that also prefills a newcomer's prompt (`run_round` gives the policy no update for it). Widths
     read lambda no lower than the measured plain rate: a node that does not beat plain rounds does not pay.
+    Under load the rates of rounds of different batch sizes do not compare, while the price of drafting does
+    change with the batch (a pass for 16 blocks is compute, a plain round of 16 rows a weight read): a batched
+    round drafts only where the profile, at the acceptance per request seen so far, prices it above a plain
+    round of the same batch (`draft_could_pay`).
     """
 
     name = "cost"

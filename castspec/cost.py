@@ -99,8 +99,8 @@ class CostProfile:
             return None
         probed = sorted(int(b) for b in self.batch)
         xs = [1, *probed]
-        ys = [float(np.interp(prefix, self.prefix_lens, self.draft_ms)), *(self.batch[str(b)]["draft_ms"] for b in probed)]
-        return extend_interp(batch, xs, ys)
+        single = float(np.interp(prefix, self.prefix_lens, self.draft_ms))
+        return extend_interp(batch, xs, [single, *(self.batch[str(b)]["draft_ms"] for b in probed)])
 
     def host_at(self, width):
         """Host work per round at width N (a float; an array for an array of widths)."""
@@ -295,7 +295,8 @@ class RoundWidth:
             return self.lam
         return max(self.lam, min_throughput)
 
-    def stop_rule(self, prefixes: list[int], min_throughput: float | None = None) -> Callable[[int, float], bool] | None:
+    def stop_rule(self, prefixes: list[int],
+                  min_throughput: float | None = None) -> Callable[[int, float], bool] | None:
         """For build_forest: a test that ends a batched round's best-first selection once no further node can
         change what `allocate` picks, so a round of B requests builds the few nodes that pay, not B full trees.
         After n nodes, any later prefix adds at most the best remaining mass per node and costs at least
