@@ -6,7 +6,8 @@
  * 8 rows x up to 8 panels: per step along I, each weight vector is loaded once and used by every row of the
  * tile, each row's input is broadcast once and used by every panel. Each thread owns a contiguous range of
  * panels and walks it in blocks; every group of rows meets a block while it is still in cache, so the weights
- * stream from memory once per forward whatever M is.
+ * stream from memory once per forward whatever M is, fetched ahead of the compute (PRODUCT) so that the stream
+ * and the dot products overlap.
  *
  * Packed layouts (16 = output columns of a panel, lanes of a vector):
  *   bf16: [O/16][I/2][16][2], the k-pairs VDPBF16PS consumes (input I even);
@@ -33,7 +34,7 @@
 /* Products of at least PREFETCH_MIN_ROWS rows fetch each weight line PREFETCH_LINES steps along I ahead: their
  * compute per line is long enough that the hardware prefetcher falls behind (docs/performance.md). With several
  * row groups, blocks hold at most BLOCK_BYTES of weights, so that the block being multiplied and the next one fit
- * in a core's L2 together. Both overridable at build time, for tuning. */
+ * in a core's L2 together. All three overridable at build time, for tuning. */
 #ifndef PREFETCH_MIN_ROWS
 #define PREFETCH_MIN_ROWS 4
 #endif
