@@ -171,8 +171,7 @@ class CostAware(Policy):
         if self.plain_rate is not None:
             return self.plain_rate
         prof = self.rule.profile
-        plain_ms = prof.batch_verify_at(self.batch, self.batch, prof.prefix_lens[0]) + prof.host_at(0)
-        return self.batch / max(plain_ms, 1e-6)
+        return self.batch / max(prof.plain_round_ms(self.batch, prof.prefix_lens[0]), 1e-6)
 
     def max_nodes(self, depth: int) -> int:
         return min(self.rule.max_width, universe_size(depth, self.top_k_per_position))
@@ -192,8 +191,7 @@ class CostAware(Policy):
         tokens, nodes = (PRIOR_TOKENS, 0.0) if self.request_tokens is None else (self.request_tokens,
                                                                                  self.request_nodes * batch)
         drafted_ms = draft + prof.batch_verify_at(batch, batch + nodes, prefix) + prof.host_at(nodes)
-        plain_ms = prof.batch_verify_at(batch, batch, prefix) + prof.host_at(0)
-        return batch * tokens / max(drafted_ms, 1e-6) >= batch / max(plain_ms, 1e-6)
+        return batch * tokens / max(drafted_ms, 1e-6) >= batch / max(prof.plain_round_ms(batch, prefix), 1e-6)
 
     def should_draft(self, batch: int = 1) -> bool:
         if self.burst is not None:

@@ -90,17 +90,24 @@ class CostProfile:
         out = interp_rows(batch, [lo, hi], np.stack([np.atleast_1d(at(lo)), np.atleast_1d(at(hi))]))
         return float(out[0]) if np.ndim(n_total) == 0 else out
 
+    def draft_at(self, prefix: float) -> float:
+        """One request's drafter pass."""
+        return float(np.interp(prefix, self.prefix_lens, self.draft_ms))
+
     def batch_draft_at(self, batch: int, prefix: float) -> float | None:
         """One drafter pass for `batch` requests: the single-request pass at B = 1, else interpolated over the
         probed batch sizes (past the largest, the last slope goes on); None without batched measurements."""
         if batch <= 1:
-            return float(np.interp(prefix, self.prefix_lens, self.draft_ms))
+            return self.draft_at(prefix)
         if not self.batch:
             return None
         probed = sorted(int(b) for b in self.batch)
-        xs = [1, *probed]
-        single = float(np.interp(prefix, self.prefix_lens, self.draft_ms))
-        return extend_interp(batch, xs, [single, *(self.batch[str(b)]["draft_ms"] for b in probed)])
+        draft_ms = [self.draft_at(prefix), *(self.batch[str(b)]["draft_ms"] for b in probed)]
+        return extend_interp(batch, [1, *probed], draft_ms)
+
+    def plain_round_ms(self, batch: int, prefix: float) -> float:
+        """A round without a draft: the verify of `batch` roots and the host work of an empty tree."""
+        return self.batch_verify_at(batch, batch, prefix) + self.host_at(0)
 
     def host_at(self, width):
         """Host work per round at width N (a float; an array for an array of widths)."""
@@ -112,7 +119,7 @@ class CostProfile:
 
     def round_ms(self, width: int, prefix: float) -> float:
         """l(N): one round at width N (N = 0 is a plain autoregressive step without a draft)."""
-        draft = float(np.interp(prefix, self.prefix_lens, self.draft_ms)) if width > 0 else 0.0
+        draft = self.draft_at(prefix) if width > 0 else 0.0
         return draft + self.host_at(width) + self.verify_at(width + 1, prefix)
 
     def round_table(self, max_width: int, prefix: float) -> np.ndarray:
@@ -180,7 +187,7 @@ def throughput(masses: np.ndarray, table: np.ndarray, roots: int = 1) -> np.ndar
 def width_affine(masses: np.ndarray, profile: CostProfile, prefix: float, max_width: int) -> int:
     """The paper's rule: add node N+1 while rho_(N+1) >= (g(N) + 1) / l(N) * c1, with l and c1 affine."""
     c0, c1 = affine_fit(profile, prefix, max_width)
-    draft = float(np.interp(prefix, profile.prefix_lens, profile.draft_ms))
+    draft = profile.draft_at(prefix)
     g = 0.0
     for n in range(min(max_width, len(masses))):
         ell = draft + c0 + c1 * (n + 1)

@@ -90,17 +90,11 @@ CHUNK = 64
 
 
 def max_rows(dtype: torch.dtype) -> int | None:
-    """The most rows a native target forward takes, the same for every dtype (None: any number; the portable
-    build takes single rows). CASTSPEC_NATIVE_ROWS sets another limit (0: torch only), at the price of
-    bit-exactness across row counts."""
-    override = env.native_rows()
-    return native.row_limit(None) if override is None else override
-
-
-def draft_max_rows(dtype: torch.dtype) -> int | None:
-    """The most block rows a native drafter pass takes (None: any number; CASTSPEC_NATIVE_ROWS overrides it
-    too). Any number since gemm.c streams multi-row products ahead of their compute: a batched pass (16
-    requests' blocks, 256 rows) ran faster natively than on oneDNN's blocked products (docs/performance.md)."""
+    """The most rows a native forward takes, target or drafter, the same for every dtype (None: any number; the
+    portable build takes single rows). CASTSPEC_NATIVE_ROWS sets another limit (0: torch only), at the price of
+    bit-exactness across row counts. The drafter's passes took at most 16 block rows on AVX-512 tiles until
+    gemm.c fetched its weights ahead of the compute; since then a batched pass (16 requests' blocks, 256 rows) runs
+    faster natively than on oneDNN's blocked products (docs/performance.md)."""
     override = env.native_rows()
     return native.row_limit(None) if override is None else override
 
@@ -326,9 +320,9 @@ class NativeDraft:
     def accepts(drafter, block_emb, block_pos, features, ctx_pos, segments) -> bool:
         """Whether draft.c takes this `DFlashDrafter.forward_segments` call: every request with a cache it can
         write (decoding, not training) and room there for its context and block, no masks, the blocks at most
-        draft_max_rows(dtype) rows in all."""
+        max_rows(dtype) rows in all."""
         if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
-                or not _within(block_emb.shape[1], draft_max_rows(drafter.dtype)):
+                or not _within(block_emb.shape[1], max_rows(drafter.dtype)):
             return False
         return all(seg.cache is not None and seg.mask is None and cache_fits(seg.cache)
                    and seg.start + seg.ctx_length + seg.block_length <= seg.cache.capacity for seg in segments)
@@ -347,7 +341,7 @@ class NativeDraft:
         one more context row (the block sees the cached context of both). The arguments are the call that built
         the code; only the class of its segments is taken from it (models/dflash.DraftSegment, whose module
         imports this package)."""
-        rows = _selftest_rows(draft_max_rows(drafter.dtype))
+        rows = _selftest_rows(max_rows(drafter.dtype))
         segment = type(segments[0])
         context = (rows, 1)
         cache = drafter.new_cache(sum(context) + rows)

@@ -66,6 +66,14 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What a packed copy of `weight` depends on: a pack made for another key is stale. Views share their base's
+    version counter, so an in-place update through any alias moves it (inference tensors have none, and cannot be
+    changed outside inference mode anyway)."""
+    version = None if weight.is_inference() else weight._version
+    return weight.data_ptr(), version, weight.dtype, tuple(weight.shape), tuple(weight.stride())
+
+
 class WeightPack:
     """The packed copy of one weight, owned by the module that uses it (remade if the weight changes)."""
 
@@ -77,10 +85,7 @@ class WeightPack:
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) \
                 or not packing_available(weight.dtype):
             return None
-        # views share their base's version counter, so an in-place update through any alias moves it
-        # (inference tensors have none, and cannot be changed outside inference mode anyway)
-        version = None if weight.is_inference() else weight._version
-        key = (weight.data_ptr(), version, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
+        key = weight_key(weight)
         if key != self._key:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
@@ -143,8 +148,7 @@ class PanelPack:
         self._packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        version = None if weight.is_inference() else weight._version
-        key = (weight.data_ptr(), version, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
+        key = weight_key(weight)
         if key != self._key:
             self._packed, self._key = pack_panels(weight.detach()), key
         return self._packed
