@@ -17,6 +17,7 @@ from .graphs import enable as enable_graphs
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .models.load import LoadError, load_drafter, load_target
+from .native import build as native
 from .probe import QUICK_PACKED, engine_key, probe
 from .sampling import TokenLogprob
 from .serving.scheduler import Scheduler, SchedulerConfig
@@ -33,12 +34,15 @@ def default_drafter_dir() -> Path | None:
     return path if (path / "model.safetensors").is_file() else None
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def cpu_bf16_reason() -> str | None:
+    """Why bf16 is this CPU's fastest dtype, None where it is not: bf16 dot products in hardware, or castspec's
+    AVX2 build, which reads bf16 weights (half of fp32's bytes) and computes in fp32 (it is built here, once, to
+    know). torch's own bf16 kernels on a CPU without either are slower than its fp32 ones."""
+    if native.cpu_supported("avx512") or native.cpu_supported_amx():
+        return "cpu with native bf16 (avx512_bf16/amx)"
+    if native.loaded_build() == "avx2":
+        return "cpu with AVX2: castspec's native code reads bf16 weights and computes in fp32"
+    return None
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
@@ -49,8 +53,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch
         if device.type == "cuda":
             ok = torch.cuda.is_bf16_supported()
             return (torch.bfloat16, "cuda with bf16") if ok else (torch.float16, "cuda without bf16")
-        if device.type == "cpu" and cpu_has_fast_bf16():
-            return torch.bfloat16, "cpu with native bf16 (avx512_bf16/amx)"
+        why = cpu_bf16_reason() if device.type == "cpu" else None
+        if why:
+            return torch.bfloat16, why
         return torch.float32, f"{device.type} without fast bf16"
     if dtype not in DTYPES:
         raise LoadError(f"unknown dtype {dtype!r}; use auto, fp32, bf16 or fp16")

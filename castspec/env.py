@@ -2,10 +2,9 @@
 
 Every switch is read when asked for (tests and callers may change the environment between calls):
   CASTSPEC_CACHE        the cache directory (profiles, native builds, dequantized GGUFs); ~/.cache/castspec
-  CASTSPEC_NATIVE       0: torch's kernels only; emulate: build the native code on simde, for tests on CPUs
-                        without AVX-512 (castspec/native/build.py); portable: the same on simde built for this
-                        CPU's own vector instructions, single-row forwards only (an opt-in for CPUs without
-                        AVX-512); anything else: native code where the CPU has it
+  CASTSPEC_NATIVE       0: torch's kernels only; avx2: the native code's AVX2 build (castspec/native/build.py);
+                        emulate: its emulated AVX-512 build on simde, for tests; anything else: the best build
+                        this CPU runs (AVX-512, else AVX2)
   CASTSPEC_NATIVE_ROWS  the most rows a whole native forward takes (0: torch only); default per dtype
   CASTSPEC_AMX          0: the native bf16 products use AVX-512 only, also where the CPU has AMX
   CASTSPEC_PACK         0: no oneDNN weight packing (castspec/native/linear.py)
@@ -22,9 +21,9 @@ def cache_dir() -> Path:
 
 
 def native_mode() -> str:
-    """'off', 'emulate', 'portable' or 'on' (CASTSPEC_NATIVE)."""
+    """'off', 'avx2', 'emulate' or 'on' (CASTSPEC_NATIVE)."""
     value = os.environ.get("CASTSPEC_NATIVE", "1")
-    return "off" if value == "0" else value if value in ("emulate", "portable") else "on"
+    return "off" if value == "0" else value if value in ("avx2", "emulate") else "on"
 
 
 def native_rows() -> int | None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16's measurements, before and after in one run: greedy agreement of bf16 with fp32 (12 prompts x 96 new
 # tokens, castspec.bench.agreement; as loaded, and with the fp32 reference on the same bf16-rounded weights) and the cost of ar and cast in bf16 (castspec bench), for each native mode
-# given (default: torch's kernels, and the portable C build where no AVX-512 BF16 is present, else the real one).
+# given (default: torch's kernels, and the AVX2 build where no AVX-512 BF16 is present, else the AVX-512 one).
 #
 #   scripts/measure_bf16.sh BEFORE_CHECKOUT OUT_DIR [MODES]
 #
@@ -13,7 +13,7 @@ BEFORE=$(cd "$1" && pwd)
 OUT=$(mkdir -p "$2" && cd "$2" && pwd)
 if [ -n "${3:-}" ]; then MODES=$3
 elif grep -q avx512_bf16 /proc/cpuinfo; then MODES="0 1"
-else MODES="0 portable"; fi
+else MODES="0 avx2"; fi
 PY=$HERE/.venv/bin/python
 # the before side gets this checkout's agreement tool (it measures; it does not decode differently)
 cp "$HERE/castspec/bench/agreement.py" "$BEFORE/castspec/bench/"

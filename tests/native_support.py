@@ -1,6 +1,6 @@
-"""The native library for the tests that exercise it: the real build where the CPU has AVX-512 BF16, otherwise
-the emulated one (CASTSPEC_NATIVE=emulate, on simde's headers), so that the C code is tested on every machine;
-a skip, with the reason, where neither can run."""
+"""The native library for the tests that exercise it: the AVX-512 build where the CPU has AVX-512 BF16, else the
+AVX2 build where it has AVX2, else the emulated one (CASTSPEC_NATIVE=emulate, on simde's headers), so that the C
+code is tested on every machine; a skip, with the reason, where none can run."""
 from __future__ import annotations
 
 import os
@@ -16,15 +16,17 @@ def mode() -> str | None:
     """The CASTSPEC_NATIVE value these tests run under here, None where none can (skip_reason says why)."""
     if env.native_mode() == "off":
         return None
-    if native.cpu_supported():
+    if native.cpu_supported("avx512"):
         return "1"
+    if native.cpu_supported("avx2"):
+        return "avx2"
     return "emulate" if native.emulation_available() else None
 
 
 def skip_reason() -> str:
     if env.native_mode() == "off":
         return "CASTSPEC_NATIVE=0 for this run"
-    return "no AVX-512 BF16 CPU, and no simde headers (libsimde-dev) to emulate one"
+    return "no AVX-512 BF16 or AVX2 CPU, and no simde headers (libsimde-dev) to emulate one"
 
 
 def native_library(monkeypatch):

@@ -176,7 +176,7 @@ def test_agreement_end_to_end(bench_dirs, tmp_path, capsys):
             elif r["reference_gap_there"] is not None:
                 assert r["reference_gap_there"] >= r["reference_min_gap"]
         assert [r["domain"] for r in rows] == ["a", "b"] and report["prompts"] == 2
-        assert report["dtype"] == dtypes.split(",")[1] and report["native_mode"] in ("off", "on", "emulate", "portable")
+        assert report["dtype"] == dtypes.split(",")[1] and report["native_mode"] in ("off", "on", "emulate", "avx2")
         assert report["identical"] == sum(r["first_difference"] is None for r in rows)
         assert all(r["first_difference"] is None or 0 <= r["first_difference"] <= 12 for r in rows)
         if dtypes == "fp32,fp32":

@@ -95,7 +95,7 @@ def _gemm(lib, packed, x, outputs):
 def tiles(request, lib):
     """Which tiles gemm.c's bf16 products run on: AVX-512, or AMX where this CPU and build have it (the library
     is switched for the test and switched back after)."""
-    amx = native.amx_wanted(native_mode() == "1" and "on" or "")
+    amx = native.amx_wanted(native.build_for(env.native_mode()))
     if request.param == "amx" and not (amx and lib.gemm_use_amx(1)):
         pytest.skip("no AMX BF16 on this CPU (or not in this build)")
     lib.gemm_use_amx(int(request.param == "amx"))
@@ -197,12 +197,12 @@ def test_native_kernels_fall_back_cleanly(monkeypatch, tmp_path, caplog):
 
 
 def test_build_cache_key_covers_mode_and_compiler(lib):
-    """One library per mode and compiler (path and --version): a compiler upgrade builds anew."""
-    mode = env.native_mode()
+    """One library per build and compiler (path and --version): a compiler upgrade builds anew."""
+    mode = native.build_for(env.native_mode())
     assert native._library_path(mode, *native._compiler()).exists()
     assert native._library_path(mode, "/usr/bin/cc", "cc 1.0") != native._library_path(mode, "/usr/bin/cc", "cc 1.1")
     assert native._library_path(mode, "/usr/bin/cc", "v") != native._library_path(mode, "/opt/bin/cc", "v")
-    other = "emulate" if mode != "emulate" else "on"
+    other = "emulate" if mode != "emulate" else "avx2"
     assert native._library_path(mode, "cc", "v") != native._library_path(other, "cc", "v")
 
 
@@ -221,9 +221,9 @@ def _builds_by_copying(monkeypatch, good):
 
 def test_a_broken_cached_library_is_rebuilt_once(lib, monkeypatch, tmp_path, caplog):
     """A cached file that does not load (truncated, say) is rebuilt, then loads and passes its checks."""
-    good = native._library_path(env.native_mode(), *native._compiler())
+    good = native._library_path(native.build_for(env.native_mode()), *native._compiler())
     monkeypatch.setenv("CASTSPEC_CACHE", str(tmp_path))
-    path = native._library_path(env.native_mode(), *native._compiler())
+    path = native._library_path(native.build_for(env.native_mode()), *native._compiler())
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
     builds = _builds_by_copying(monkeypatch, good)
@@ -242,9 +242,9 @@ def test_struct_size_mismatch_disables_the_library(lib, monkeypatch, tmp_path, c
         _fields_ = [*abi.Segment._fields_, ("extra", ctypes.c_int64)]
 
     monkeypatch.setitem(abi.SHARED, "Segment", Grown)
-    good = native._library_path(env.native_mode(), *native._compiler())
+    good = native._library_path(native.build_for(env.native_mode()), *native._compiler())
     monkeypatch.setenv("CASTSPEC_CACHE", str(tmp_path))
-    cached = native._library_path(env.native_mode(), *native._compiler())
+    cached = native._library_path(native.build_for(env.native_mode()), *native._compiler())
     cached.parent.mkdir(parents=True)
     shutil.copyfile(good, cached)
     builds = _builds_by_copying(monkeypatch, good)

@@ -1,6 +1,7 @@
 """Forwards of a few rows in native code (castspec/native/csrc/step.c) against the torch forward: decode steps,
-causal prefill chunks, packed trees; and the drafter's block pass (csrc/draft.c). The real library on AVX-512
-BF16 CPUs, the emulated one elsewhere (native_support); tiny models, since the emulated code is slow."""
+causal prefill chunks, packed trees; and the drafter's block pass (csrc/draft.c). The AVX-512 build on AVX-512
+BF16 CPUs, the AVX2 one on AVX2 CPUs, the emulated one elsewhere (native_support); tiny models, since the
+emulated code is slow."""
 import copy
 import logging
 
@@ -441,33 +442,42 @@ def test_native_ragged_forward_matches_torch(dtype):
             torch.testing.assert_close(got.k, want.k, rtol=tol, atol=tol)
 
 
-def test_portable_build_runs_decode_steps_and_leaves_trees_to_torch(monkeypatch):
-    """CASTSPEC_NATIVE=portable (simde built for this CPU's own vector ISA): the library builds and passes its
-    checks, decode steps run natively and agree with torch, forwards of several rows stay on torch."""
-    if not native.emulation_available():
-        pytest.skip("no simde headers (libsimde-dev)")
-    monkeypatch.setenv("CASTSPEC_NATIVE", "portable")
-    native.library.cache_clear()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_and_emulated_builds_agree(monkeypatch, dtype):
+    """The AVX2 build (csrc/avx2.h: 512-bit operations as pairs of 256-bit ones, bf16 pair products as fused
+    multiply-adds) and the emulated AVX-512 build (simde) agree on a whole forward, a prefill chunk then a packed
+    tree of several rows, logits and cache alike, to the rounding their multiply-adds differ by (simde's
+    emulation rounds the product and the sum separately). Both run on any CPU with AVX2 and simde's headers, so
+    a machine without AVX-512 still runs the AVX-512 code paths (gemm.c's AVX-512 tiles) somewhere."""
+    if not native.cpu_supported("avx2") or not native.emulation_available():
+        pytest.skip("needs an AVX2 CPU and simde's headers (libsimde-dev)")
+    cfg = CONFIGS["qwen3-untied-qk-norm"]()
+    prompt = torch.randint(0, cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    tree = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    parents = [-1, 0, 0, 1, 3]
+    visible = torch.zeros(5, 7 + 5, dtype=torch.bool)
+    visible[:, :7] = True
+    for i, p in enumerate(parents):
+        visible[i, 7 + i] = True
+        while p >= 0:
+            visible[i, 7 + p], p = True, parents[p]
+    depth = torch.tensor([[0, 1, 1, 2, 3]]) + 7
+    out = {}
     try:
-        if native.library() is None:
-            pytest.fail("the portable native library did not build or load; see the warning")
-        assert native_step.max_rows(torch.float32) == 1
-        cfg = CONFIGS["qwen3-untied-qk-norm"]()
-        fast, ref = native_target(make_hf(cfg, seed=3)), _torch_only(native_target(make_hf(cfg, seed=3)))
-        calls = []
-        run = NativeStep.run
-        monkeypatch.setattr(NativeStep, "run", lambda self, *a: calls.append(a[0].numel()) or run(self, *a))
-        prompt = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
-        with torch.inference_mode():
-            c_fast, c_ref = _prefilled(fast, prompt), _prefilled(ref, prompt)
-            assert calls == []  # a prefill chunk of 6 rows: torch
-            for slot in range(6, 10):
-                tok = torch.tensor([[slot % cfg.vocab_size]])
-                pos = torch.tensor([[slot]])
-                got, _ = fast(tok, pos, c_fast, slot)
-                want, _ = ref(tok, pos, c_ref, slot)
-                torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
-        # the build's self-test forwards count too: every native forward was a single row
-        assert fast.backend.active and len(calls) >= 4 and set(calls) == {1}
+        for build in ("avx2", "emulate"):
+            monkeypatch.setenv("CASTSPEC_NATIVE", build)
+            native.library.cache_clear()
+            if native.library() is None:
+                pytest.fail(f"the {build} native library did not build or load; see the warning")
+            target = native_target(make_hf(cfg, seed=3), dtype)
+            with torch.inference_mode():
+                cache = target.new_cache(16)
+                first, _ = target(prompt, torch.arange(7).view(1, -1), cache, 0, causal=True)
+                logits, _ = target(tree, depth, cache, 7, mask=visible.view(1, 1, 5, 12))
+            assert target.backend.active
+            out[build] = (first, logits, cache.k.clone(), cache.v.clone())
     finally:
         native.library.cache_clear()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for got, want in zip(out["avx2"], out["emulate"]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * max(want.abs().max().item(), 1))

@@ -1,26 +1,29 @@
-"""castspec's native code for AVX-512 CPUs, compiled at first use: csrc/skinny.c (matrix products of a few rows),
-and built on them csrc/step.c (whole target forwards of a few rows) and csrc/draft.c (the drafter's block pass),
-both from the layer pieces in csrc/layer.h; their Python side is native/forward.py, the shared structs and
-signatures native/abi.py.
+"""castspec's native code for x86 CPUs, compiled at first use: csrc/skinny.c (matrix products of a few rows),
+csrc/gemm.c (the products of whole forwards, any rows), and built on them csrc/step.c (whole target forwards)
+and csrc/draft.c (the drafter's block pass), both from the layer pieces in csrc/layer.h; their Python side is
+native/forward.py, the shared structs and signatures native/abi.py.
 
 Why: a decode step multiplies one row by every weight matrix (a verify or a drafter pass, a few more), so
 its time is the time to stream the weights, and torch's kernels at these shapes stream bf16 weights well below
 the machine's read rate (`python -m castspec.bench.engine` times them side by side, `gemv_ms`; measurements in
-docs/performance.md). The code is plain C with AVX-512 intrinsics (no torch headers), so it builds in seconds
-with the system C compiler, and is cached under <cache>/native keyed by its sources, flags, mode and compiler
-(path and `--version`). Where the CPU lacks AVX-512 BF16, no compiler is found, the build fails, the library's
-structs differ from native/abi.py's or its self-check disagrees with torch, castspec uses torch's kernels
-(logged once). A cached library that fails to load or to pass its checks is rebuilt once first.
+docs/performance.md). The code is plain C with AVX-512 intrinsics (no torch headers), so it builds with the
+system C compiler, and is cached under <cache>/native keyed by its sources, flags, build and compiler (path and
+`--version`). Where no build fits the CPU, no compiler is found, the build fails, the library's structs differ
+from native/abi.py's or its self-check disagrees with torch, castspec uses torch's kernels (logged once). A
+cached library that fails to load or to pass its checks is rebuilt once first.
 
-CASTSPEC_NATIVE (read through castspec.env): 0 turns the native code off. `emulate` builds the same sources
-without AVX-512 flags on SIMD Everywhere (simde, header-only; Debian's libsimde-dev) with -DCASTSPEC_EMULATE
-(csrc/simd.h), skipping the CPU check: the library then runs on any CPU, much more slowly, and computes what
-the real one does. It exists so that tests exercise the C code on machines without AVX-512; it is never a
-default and never worth using for speed. `portable` builds the same as emulate, but with -O3 for this CPU's own
-vector instructions (-march=native: simde then runs each 512-bit operation as two AVX2 ones, say): an opt-in for
-CPUs without AVX-512, where single-row forwards (decode steps) beat torch's kernels; forwards of several rows are
-not tuned for it and stay on torch (row_limit is 1 in this mode), which costs the bit-exactness across row counts
-that the other modes give (native/forward.py's whole forwards take any number of rows there).
+The builds (BUILD_FLAGS):
+  avx512   the CPU's own AVX-512 F/BW/VL/BF16 instructions (and AMX tiles where the CPU has them);
+  avx2     for CPUs with AVX2 and FMA but no AVX-512 BF16: the same sources on csrc/avx2.h, which runs each
+           512-bit operation as two 256-bit ones and each bf16 dot product as fused multiply-adds of the widened
+           values. It computes the bits the emulated build computes, at the host's speed;
+  emulate  the same sources on SIMD Everywhere (simde, header-only; Debian's libsimde-dev) with
+           -DCASTSPEC_EMULATE (csrc/simd.h), for any CPU: much slower, never a default. It exists so that
+           tests run the AVX-512 code paths on machines without AVX-512.
+
+CASTSPEC_NATIVE (read through castspec.env): 0 turns the native code off; `avx2` and `emulate` ask for that
+build (avx2 runs on AVX-512 CPUs too); anything else picks avx512 where the CPU has it, else avx2 where it has
+AVX2 and FMA, else none.
 """
 from __future__ import annotations
 
@@ -44,26 +47,17 @@ log = logging.getLogger("castspec")
 CSRC = Path(__file__).parent / "csrc"  # every .c there is built into one library, .h files are included
 SIMDE_INCLUDE = Path("/usr/include")  # where libsimde-dev puts simde/
 COMMON_FLAGS = ("-fopenmp", "-shared", "-fPIC")
-MODE_FLAGS = {"on": ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
-              # -O2: emulated intrinsics are inlined everywhere, and -O3 makes that build much slower for tests
-              "emulate": ("-O2", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}"),
-              "portable": ("-O3", "-march=native", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}")}
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+BUILD_FLAGS = {"avx512": ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+               "avx2": ("-O3", "-mavx2", "-mfma", "-mf16c", "-DCASTSPEC_AVX2"),
+               # -O2: emulated intrinsics are inlined everywhere, and -O3 makes that build much slower for tests
+               "emulate": ("-O2", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}")}
+CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "avx2": ("avx2", "fma", "f16c")}
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 # The most rows castspec's products take for the torch forward (native/linear.py); above it oneDNN's blocked
 # GEMM was faster where this was tuned (docs/performance.md). Whole native forwards (native/forward.py) use the
 # kernels at any count.
 MAX_ROWS = {torch.bfloat16: 8, torch.float32: 4}
 _ENTRY = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
-# The portable build's multi-row code is slower than torch's (docs/performance.md): it takes single rows only.
-PORTABLE_ROWS = 1
-
-
-def row_limit(tuned: int | None) -> int | None:
-    """The most rows the native code takes, given the limit `tuned` for the AVX-512 build (None: any number)."""
-    if env.native_mode() != "portable":
-        return tuned
-    return PORTABLE_ROWS if tuned is None else min(tuned, PORTABLE_ROWS)
 
 
 def _cpu_flags() -> set[str]:
@@ -73,14 +67,28 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def cpu_supported() -> bool:
-    return all(f in _cpu_flags() for f in CPU_FLAGS)
+def cpu_supported(build: str = "avx512") -> bool:
+    """Whether this CPU runs `build` (avx512 or avx2) natively."""
+    return all(f in _cpu_flags() for f in CPU_FLAGS[build])
 
 
-def amx_wanted(mode: str) -> bool:
-    """Whether the bf16 products should use AMX tiles (csrc/gemm.c): the real build on a CPU with AMX BF16, unless
-    CASTSPEC_AMX=0. The library still asks Linux for the tile state and keeps AVX-512 where it is refused."""
-    return mode == "on" and env.amx_enabled() and all(f in _cpu_flags() for f in AMX_FLAGS)
+def cpu_supported_amx() -> bool:
+    return all(f in _cpu_flags() for f in AMX_FLAGS)
+
+
+def build_for(mode: str) -> str | None:
+    """The build CASTSPEC_NATIVE=`mode` runs here (a BUILD_FLAGS key), None where none can."""
+    if mode == "off":
+        return None
+    if mode in ("avx2", "emulate"):
+        return mode if mode == "emulate" or cpu_supported("avx2") else None
+    return "avx512" if cpu_supported("avx512") else "avx2" if cpu_supported("avx2") else None
+
+
+def amx_wanted(build: str | None) -> bool:
+    """Whether the bf16 products should use AMX tiles (csrc/gemm.c): the avx512 build on a CPU with AMX BF16,
+    unless CASTSPEC_AMX=0. The library still asks Linux for the tile state and keeps AVX-512 where it is refused."""
+    return build == "avx512" and env.amx_enabled() and cpu_supported_amx()
 
 
 def emulation_available() -> bool:
@@ -100,23 +108,23 @@ def _compiler() -> tuple[str, str]:
     return path, version
 
 
-def _flags(mode: str) -> tuple[str, ...]:
-    return (*COMMON_FLAGS, *MODE_FLAGS[mode])
+def _flags(build: str) -> tuple[str, ...]:
+    return (*COMMON_FLAGS, *BUILD_FLAGS[build])
 
 
-def _library_path(mode: str, compiler: str, version: str) -> Path:
+def _library_path(build: str, compiler: str, version: str) -> Path:
     files = sorted(CSRC.glob("*.[ch]"))  # the headers too: a change there must rebuild
     key = hashlib.sha256(b"".join(p.read_bytes() for p in files)
-                         + "\0".join((mode, *_flags(mode), compiler, version)).encode()).hexdigest()[:16]
-    return env.cache_dir() / "native" / f"castspec-{mode}-{key}.so"
+                         + "\0".join((build, *_flags(build), compiler, version)).encode()).hexdigest()[:16]
+    return env.cache_dir() / "native" / f"castspec-{build}-{key}.so"
 
 
-def _build(out: Path, mode: str, compiler: str) -> None:
+def _build(out: Path, build: str, compiler: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     sources = sorted(map(str, CSRC.glob("*.c")))
     try:
-        subprocess.run([compiler, *_flags(mode), *sources, "-o", str(tmp), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *_flags(build), *sources, "-o", str(tmp), "-lm"], check=True, capture_output=True,
                        timeout=300)
         os.replace(tmp, out)  # atomic, so processes building at once never load a half-written library
     finally:
@@ -161,19 +169,19 @@ def _load(path: Path) -> ctypes.CDLL | str:
 @functools.lru_cache(maxsize=None)
 def library():
     """The loaded kernels, or None where they are unavailable (see the module docstring)."""
-    mode = env.native_mode()
-    if mode == "off" or (mode == "on" and not cpu_supported()):
+    build = build_for(env.native_mode())
+    if build is None:
         return None
-    if mode in ("emulate", "portable") and not emulation_available():
-        log.warning("castspec: CASTSPEC_NATIVE=%s needs simde's headers (%s/simde); using torch's kernels", mode,
+    if build == "emulate" and not emulation_available():
+        log.warning("castspec: CASTSPEC_NATIVE=emulate needs simde's headers (%s/simde); using torch's kernels",
                     SIMDE_INCLUDE)
         return None
     compiler, version = _compiler()
-    path = _library_path(mode, compiler, version)
+    path = _library_path(build, compiler, version)
     lib = _load(path) if path.exists() else None
     if not isinstance(lib, ctypes.CDLL):  # none cached, or a cached one that fails: (re)build once
         try:
-            _build(path, mode, compiler)
+            _build(path, build, compiler)
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             log.warning("castspec: native kernels unavailable (%s %s); using torch's", type(e).__name__,
@@ -184,8 +192,13 @@ def library():
         log.warning("castspec: native kernels unusable: %s; using torch's", lib)
         return None
     # for the whole process: a row's bits differ between AMX and AVX-512 products
-    lib.gemm_use_amx(int(amx_wanted(mode)))
+    lib.gemm_use_amx(int(amx_wanted(build)))
     return lib
+
+
+def loaded_build() -> str | None:
+    """The build library() loads here (a BUILD_FLAGS key), None where none loads."""
+    return build_for(env.native_mode()) if library() is not None else None
 
 
 def _call(lib, x2: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -204,7 +217,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype 
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in _ENTRY or not weight.is_contiguous():
         return None
     rows = x.numel() // max(x.shape[-1], 1)
-    if not 0 < rows <= row_limit(MAX_ROWS[x.dtype]):
+    if not 0 < rows <= MAX_ROWS[x.dtype]:
         return None
     lib = library()
     if lib is None:

@@ -121,7 +121,7 @@ class NativeSwitch(nn.Module):
         elif env.native_mode() == "off":
             why = "CASTSPEC_NATIVE=0"
         elif native.library() is None:
-            why = "no AVX-512 BF16 here for castspec's native code; CASTSPEC_NATIVE=portable runs single rows in it"
+            why = "no AVX-512 BF16 or AVX2 here for castspec's native code, or no C compiler to build it"
         else:
             why = "castspec's native code does not apply to this model (dtype, head size) or was turned off"
         return "near-ties", f"torch's kernels ({why}), {rounding}"

@@ -21,11 +21,16 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
 
-#define MAX_R 8  /* rows per tile */
+#ifdef CASTSPEC_AVX2
+#define MAX_R 4 /* rows per tile: 16 registers of 256 bits hold 4 rows x 1 panel (8 accumulators) and its operands */
+#else
+#define MAX_R 8 /* rows per tile */
+#endif
 /* bf16 sums run in chunks of this many k-pairs (32 inputs, an AMX tile's depth), each from zero, added to the
  * output in order: a long sum's rounding error grows with its number of sequential additions, and one chain over
  * all of I lost accuracy against fp32 (greedy agreement, docs/performance.md). */
@@ -34,12 +39,24 @@
 /* Products of at least PREFETCH_MIN_ROWS rows fetch each weight line PREFETCH_LINES steps along I ahead: their
  * compute per line is long enough that the hardware prefetcher falls behind (docs/performance.md). With several
  * row groups, blocks hold at most BLOCK_BYTES of weights, so that the block being multiplied and the next one fit
- * in a core's L2 together. All three overridable at build time, for tuning. */
+ * in a core's L2 together (FETCH_NEXT: whether they fetch that next block). All overridable at build time.
+ */
+#ifdef CASTSPEC_AVX2 /* on the AVX2 CPU tuned for (docs/performance.md), fetching ahead only slowed the products */
+#ifndef PREFETCH_MIN_ROWS
+#define PREFETCH_MIN_ROWS INT32_MAX
+#endif
+#ifndef FETCH_NEXT
+#define FETCH_NEXT 0
+#endif
+#endif
 #ifndef PREFETCH_MIN_ROWS
 #define PREFETCH_MIN_ROWS 4
 #endif
 #ifndef PREFETCH_LINES
 #define PREFETCH_LINES 32
+#endif
+#ifndef FETCH_NEXT
+#define FETCH_NEXT 1 /* whether row groups after the first fetch the next block */
 #endif
 #ifndef BLOCK_BYTES
 #define BLOCK_BYTES (192 * 1024)
@@ -83,11 +100,11 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, i
             const int now = fetch_next_now(&f, &countdown);
             UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
                 const uint16_t *line = P + b * pstride + (int64_t)p * 32;
-                w[b] = (__m512bh)_mm512_loadu_si512(line);
+                w[b] = AS_BH(_mm512_loadu_si512(line));
                 fetch_lines(&f, line, sizeof(uint16_t), now);
             }
             UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
-                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)X[r * ldx2 + p]);
+                const __m512bh x = AS_BH(_mm512_set1_epi32((int)X[r * ldx2 + p]));
                 UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], x, w[b]);
             }
         }
@@ -100,6 +117,54 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, i
                 }
     }
 }
+
+#ifdef CASTSPEC_AVX2
+/* The same tile on 256-bit vectors (csrc/avx2.h's build), with the rows' inputs widened to fp32 beforehand
+ * (XW [rows, I]; gemm_bf16_f32). Each 64-byte line of a panel is two halves of 8 columns x 2 inputs, split once
+ * into its odd and even bf16 elements widened to fp32, so that every step is two fused multiply-adds per
+ * accumulator, odd element first: the operations and the order of _mm512_dpbf16_ps there, without splitting a
+ * weight once per row or an input once per panel. */
+static inline __attribute__((always_inline)) void tile_bf16_avx2(const uint16_t *P, int64_t pstride, int I2,
+                                                                 const float *XW, int64_t ldx, int R, int NB,
+                                                                 float *Y, int64_t ldy, int64_t valid, Fetch f) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    int countdown = f.phase;
+    for (int p0 = 0; p0 < I2; p0 += KCHUNK) {
+        const int pe = I2 - p0 < KCHUNK ? I2 : p0 + KCHUNK;
+        __m256 acc[MAX_R][4][2];
+        UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+            UNROLL_LOOP(4) for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+        for (int p = p0; p < pe; ++p) {
+            __m256 we[4][2], wo[4][2];
+            const int now = fetch_next_now(&f, &countdown);
+            UNROLL_LOOP(4) for (int b = 0; b < NB; ++b) {
+                const uint16_t *line = P + b * pstride + (int64_t)p * 32;
+                UNROLL_LOOP(2) for (int h = 0; h < 2; ++h) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(line + 16 * h));
+                    we[b][h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                    wo[b][h] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+                }
+                fetch_lines(&f, line, sizeof(uint16_t), now);
+            }
+            UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
+                const __m256 xe = _mm256_broadcast_ss(XW + r * ldx + 2 * p);
+                const __m256 xo = _mm256_broadcast_ss(XW + r * ldx + 2 * p + 1);
+                UNROLL_LOOP(4) for (int b = 0; b < NB; ++b)
+                    UNROLL_LOOP(2) for (int h = 0; h < 2; ++h)
+                        acc[r][b][h] = _mm256_fmadd_ps(we[b][h], xe, _mm256_fmadd_ps(wo[b][h], xo, acc[r][b][h]));
+            }
+        }
+        UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+            UNROLL_LOOP(4) for (int b = 0; b < NB; ++b)
+                if (valid > 16 * b) {
+                    const __mmask16 k = lanes(valid, 16 * b);
+                    float *y = Y + r * ldy + 16 * b;
+                    const __m512 sum = {acc[r][b][0], acc[r][b][1]};
+                    _mm512_mask_storeu_ps(y, k, p0 ? _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), sum) : sum);
+                }
+    }
+}
+#endif
 
 static inline __attribute__((always_inline)) void tile_f32(const float *P, int64_t pstride, int I,
                                                            const float *X, int64_t ldx, int R, int NB, float *Y,
@@ -136,6 +201,17 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
         if (np - b >= 1) TILE(R, 1, b);                                    \
     } while (0)
 
+#ifdef CASTSPEC_AVX2
+/* Tile widths per row count: 8 accumulators of 256 bits (two per row and panel), plus the widened weights and
+ * inputs, in 16 registers. */
+#define ROWS(TILE, R)                      \
+    switch (R) {                           \
+    case 4: SWEEP(TILE, 4, 1); break;      \
+    case 3: SWEEP(TILE, 3, 1); break;      \
+    case 2: SWEEP(TILE, 2, 2); break;      \
+    default: SWEEP(TILE, 1, 4); break;     \
+    }
+#else
 /* Tile widths per row count: 16-24 accumulators, plus the panel vectors and one broadcast, in 32 registers. */
 #define ROWS(TILE, R)                      \
     switch (R) {                           \
@@ -148,6 +224,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
     case 2: SWEEP(TILE, 2, 8); break;      \
     default: SWEEP(TILE, 1, 8); break;     \
     }
+#endif
 
 /* Each thread walks its own range of panels in blocks, and every group of up to MAX_R rows passes over a block
  * while it is in cache, so the weights stream from memory once whatever M is. The first group fetches its lines
@@ -167,7 +244,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
         const int first = (int)((int64_t)panels * t / n), last = (int)((int64_t)panels * (t + 1) / n);    \
         for (int blk = first; blk < last; blk += block) {                                                 \
             const int np = last - blk < block ? last - blk : block;                                       \
-            const int64_t next = groups > 1 && blk + block < last ? (int64_t)block * pstride : 0;         \
+            const int64_t next = FETCH_NEXT && groups > 1 && blk + block < last ? (int64_t)block * pstride : 0; \
             for (int g = 0; g < groups; ++g) {                                                            \
                 const int m0 = g * MAX_R, R = M - m0 < MAX_R ? M - m0 : MAX_R;                            \
                 if ((g == 0 && ahead) || next) {                                                          \
@@ -181,7 +258,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
         }                                                                                                 \
     }
 
-#ifndef CASTSPEC_EMULATE
+#ifdef CASTSPEC_AVX512
 /* AMX (Intel's tile unit), where the CPU has it: one TDPBF16PS multiplies 16 rows x 32 inputs by a 32 x 16 block
  * of weights, which is exactly 16 consecutive k-pairs of a packed panel (1 KiB, rows of 64 bytes). Rows go in
  * groups of 16; a group with fewer rows is padded with zero rows, so every product runs the same instructions
@@ -288,19 +365,35 @@ int gemm_amx_on(void) { return 0; }
 /* X: M rows of bf16 (stride ldx, even) entering the product, followed by zero rows up to a multiple of 16 (the
  * AMX path reads whole groups); Y: their fp32 sums. */
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
-#ifndef CASTSPEC_EMULATE
+#ifdef CASTSPEC_AVX512
     if (amx_on && I % 32 == 0) {
         gemm_amx(P, X, Y, M, O, I, ldx, ldy);
         return;
     }
 #endif
     const int64_t pstride = (int64_t)16 * I; /* elements per panel */
+#ifdef CASTSPEC_AVX2
+    float *XW = malloc(sizeof(float) * ((size_t)M * I + 16)); /* the inputs as fp32 (exact) */
+    if (!XW) abort();
+    for (int r = 0; r < M; ++r)
+        for (int i = 0; i < I; i += 16) {
+            const __mmask16 k = lanes(I, i);
+            _mm512_mask_storeu_ps(XW + (int64_t)r * I + i, k, widen(_mm256_maskz_loadu_epi16(k, X + (int64_t)r * ldx + i)));
+        }
+#define TILE_BF16(R, NB, b)                                                                                 \
+    tile_bf16_avx2(P + (int64_t)(blk + (b)) * pstride, pstride, I / 2, XW + (int64_t)m0 * I, I, R, NB,        \
+                   Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16, fetch)
+    PRODUCT(TILE_BF16, 32 * (int64_t)I)
+#undef TILE_BF16
+    free(XW);
+#else
     const uint32_t *X2 = (const uint32_t *)X;
 #define TILE_BF16(R, NB, b)                                                                                 \
     tile_bf16(P + (int64_t)(blk + (b)) * pstride, pstride, I / 2, X2 + (int64_t)m0 * (ldx / 2), ldx / 2, R, NB, \
               Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16, fetch)
     PRODUCT(TILE_BF16, 32 * (int64_t)I)
 #undef TILE_BF16
+#endif
 }
 
 void gemm_f32(const float *P, const float *X, float *Y, int M, int O, int I, int ldx, int ldy) {

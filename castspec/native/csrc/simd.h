@@ -13,8 +13,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifndef CASTSPEC_EMULATE
+#if defined(CASTSPEC_AVX2)
+#include "avx2.h"
+#elif !defined(CASTSPEC_EMULATE)
 #include <immintrin.h>
+#define CASTSPEC_AVX512 /* the CPU's own AVX-512 instructions (and AMX tiles where it has them) */
 #else
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -145,6 +148,14 @@ static inline float cs_reduce_max_ps(__m512 a) {
 #define _mm512_cvtneps_pbh cs_cvtneps_pbh
 #define _mm512_reduce_add_ps cs_reduce_add_ps
 #define _mm512_reduce_max_ps cs_reduce_max_ps
+#endif
+
+/* A 512-bit integer vector seen as 32 bf16 lanes: a vector cast, except in the AVX2 build, whose vectors are
+ * structs of two halves with one type for both. */
+#ifdef CASTSPEC_AVX2
+#define AS_BH(x) (x)
+#else
+#define AS_BH(x) ((__m512bh)(x))
 #endif
 
 /* The kernels unroll their loops over rows so that the accumulators stay in registers. Emulated vectors live

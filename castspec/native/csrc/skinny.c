@@ -35,17 +35,17 @@ static inline __attribute__((always_inline)) void dots_bf16(const uint16_t *w, c
     for (; i + 32 * UNROLL <= I; i += 32 * UNROLL) {
         if (R >= 4) UNROLL_LOOP(2) for (int u = 0; u < UNROLL; ++u) _mm_prefetch(ahead + 2 * (i + 32 * u), _MM_HINT_T0);
         UNROLL_LOOP(2) for (int u = 0; u < UNROLL; ++u) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i + 32 * u);
+            const __m512bh wv = AS_BH(_mm512_loadu_si512(w + i + 32 * u));
             UNROLL_LOOP(8) for (int m = 0; m < R; ++m)
-                acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(X + m * ldx + i + 32 * u));
+                acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, AS_BH(_mm512_loadu_si512(X + m * ldx + i + 32 * u)));
         }
     }
     for (; i < I; i += 32) {  /* the rest, a masked final vector included, into the first accumulator (a fixed
                                 index: a computed one would keep the accumulators out of registers) */
         const __mmask32 k = I - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (I - i)) - 1u);
-        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(k, w + i);
+        const __m512bh wv = AS_BH(_mm512_maskz_loadu_epi16(k, w + i));
         UNROLL_LOOP(8) for (int m = 0; m < R; ++m)
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(k, X + m * ldx + i));
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, AS_BH(_mm512_maskz_loadu_epi16(k, X + m * ldx + i)));
     }
     UNROLL_LOOP(8) for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 }
