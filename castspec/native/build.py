@@ -15,8 +15,8 @@ cached library that fails to load or to pass its checks is rebuilt once first.
 The builds (BUILD_FLAGS):
   avx512   the CPU's own AVX-512 F/BW/VL/BF16 instructions (and AMX tiles where the CPU has them);
   avx2     for CPUs with AVX2 and FMA but no AVX-512 BF16: the same sources on csrc/avx2.h, which runs each
-           512-bit operation as two 256-bit ones and each bf16 dot product as fused multiply-adds of the widened
-           values. It computes the bits the emulated build computes, at the host's speed;
+           512-bit operation as two 256-bit ones and each bf16 pair product as two fused multiply-adds of the
+           widened values (each addition rounded once, as VDPBF16PS rounds it);
   emulate  the same sources on SIMD Everywhere (simde, header-only; Debian's libsimde-dev) with
            -DCASTSPEC_EMULATE (csrc/simd.h), for any CPU: much slower, never a default. It exists so that
            tests run the AVX-512 code paths on machines without AVX-512.
