@@ -91,9 +91,10 @@ CHUNK = 64
 
 def max_rows(dtype: torch.dtype) -> int | None:
     """The most rows a native forward takes, target or drafter, the same for every dtype (None: any number).
-    CASTSPEC_NATIVE_ROWS sets a limit (0: torch only), at the price of bit-exactness across row counts. The drafter's passes took at most 16 block rows on AVX-512 tiles until
-    gemm.c fetched its weights ahead of the compute; since then a batched pass (16 requests' blocks, 256 rows) runs
-    faster natively than on oneDNN's blocked products (docs/performance.md)."""
+    CASTSPEC_NATIVE_ROWS sets a limit (0: torch only), at the price of bit-exactness across row counts. The
+    drafter's passes took at most 16 block rows on AVX-512 tiles until gemm.c fetched its weights ahead of the
+    compute; since then a batched pass (16 requests' blocks, 256 rows) runs faster natively than on oneDNN's
+    blocked products (docs/performance.md)."""
     return env.native_rows()
 
 

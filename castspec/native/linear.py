@@ -157,9 +157,9 @@ class PanelPack:
 
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, pack: PanelPack) -> torch.Tensor | None:
     """x [..., I] @ weight [O, I]^T through gemm.c's products for any number of rows: fp32 sums, x rounded to
-    weight's dtype as it enters; None where they do not apply (no native library; not on the CPU; gradients on; a weight gemm.c cannot multiply). The torch forward's oneDNN
-    kernels stream weights far below the read rate at these shapes on some CPUs (docs/performance.md), which
-    made the drafter's head a third of its pass there."""
+    weight's dtype as it enters; None where they do not apply (no native library; not on the CPU; gradients on;
+    a weight gemm.c cannot multiply). The torch forward's oneDNN kernels stream weights far below the read rate
+    at these shapes on some CPUs (docs/performance.md), which made the drafter's head a third of its pass there."""
     lib = native.library()
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu"
             or weight.device.type != "cpu" or not packable(weight)):
