@@ -5,6 +5,8 @@
 - math:  arithmetic word problems from our own templates with random quantities
 - docs:  tasks built from the names, signatures and docstrings of installed Python modules
 - topics: instructions from our own seed topics x instruction templates
+- follow-ups: a second user turn of our own (shorten it, give an example, test the code, check the sum, ...)
+  after the target's answer to any of the above (`follow_ups`: multi-turn training data)
 
 `heldout_prompts()` is the evaluation split: the first 40 HumanEval and MT-Bench prompts (what `castspec bench`
 runs) and 40 math problems from a separate seed. `training_prompts()` never contains any of them.
@@ -35,6 +37,9 @@ class Prompt:
     id: str
     # user turns before this one: the target's own answer to each comes first (a multi-turn conversation)
     earlier_turns: tuple[str, ...] = ()
+    # the target's answers to earlier_turns where they are already known (follow-ups of a training dataset's
+    # responses); empty: the target answers them when the prompt is run
+    earlier_answers: tuple[str, ...] = ()
     chat: bool = True  # False: `text` is a raw completion prompt, without the chat template
 
 
@@ -193,6 +198,45 @@ TOPIC_TASKS = ["Explain {t} to a ten-year-old.", "Give me five practical tips ab
 def topic_tasks() -> list[Prompt]:
     return [Prompt("chat", "topics", tmpl.format(t=t), f"topic/{i}/{j}")
             for i, t in enumerate(TOPICS) for j, tmpl in enumerate(TOPIC_TASKS)]
+
+
+# --- follow-up turns (our own), after the target's answer: multi-turn training data -----------------------
+FOLLOW_UPS_ANY = ["Can you make that shorter?", "Explain that again in simpler words.",
+                  "Summarize your answer in three bullet points.", "Give me a concrete example.",
+                  "Rewrite your answer in a more formal tone.", "Rewrite your answer in a friendly, casual tone.",
+                  "What is the most important point in your answer, and why?", "Can you expand on the first point?",
+                  "What are the limitations of what you just said?", "Turn your answer into a short email to a friend.",
+                  "Now say it in one sentence.", "Rewrite it for a ten-year-old.",
+                  "What questions might a reader still have? Answer two of them.",
+                  "Give a counterargument to your answer.", "Put the key points into a table.",
+                  "Continue from where you stopped.", "Write a title for your answer.",
+                  "Are you sure? Check your answer and correct anything that is wrong."]
+FOLLOW_UPS = {"code": ["Add comments to the code that explain each step.", "Write three test cases for it.",
+                       "What is the time complexity, and can it be improved?",
+                       "Rewrite it without using any imports.", "Explain how the code works line by line.",
+                       "Now make it handle invalid input with a clear error message.",
+                       "Can you write it in a different way?", "Add type hints and a docstring.",
+                       "Show how to call it with an example and print the result."],
+              "math": ["Check your answer by working backwards.", "Solve it again another way.",
+                       "What would the answer be if every number were doubled?",
+                       "Explain the steps to someone who finds math hard.",
+                       "Write a similar problem and solve it.", "Write the calculation as a single expression."],
+              "chat": ["Now give me three more ideas like that.", "Which of these would you pick, and why?",
+                       "Write a catchy headline for this.", "Turn it into a list of steps.",
+                       "How would an expert disagree with this?", "Make it funnier."]}
+
+
+def follow_ups(answered: list[tuple[Prompt, str]], seed: int) -> list[Prompt]:
+    """A second user turn after each (prompt, the target's answer to it): one of our own follow-ups for its
+    domain or for any, drawn with `seed`; the answer is kept as the conversation's earlier answer."""
+    rng = random.Random(seed)
+    out = []
+    for p, answer in answered:
+        k = rng.randrange(len(FOLLOW_UPS_ANY) + len(FOLLOW_UPS[p.domain]))
+        text = (FOLLOW_UPS_ANY + FOLLOW_UPS[p.domain])[k]
+        out.append(Prompt(p.domain, f"{p.source}+follow-up", text, f"{p.id}/2/{k}",
+                          earlier_turns=p.earlier_turns + (p.text,), earlier_answers=p.earlier_answers + (answer,)))
+    return out
 
 
 MATH_HELDOUT_SEED = 12345

@@ -2,8 +2,8 @@
 import pytest
 
 from castspec.engine import Engine
-from castspec.prompts import (DOC_MODULES, EVAL_SETS, UNSEEN_MODULES, Prompt, eval_prompts, heldout_prompts,
-    training_prompts)
+from castspec.prompts import (DOC_MODULES, EVAL_SETS, FOLLOW_UPS, FOLLOW_UPS_ANY, UNSEEN_MODULES, Prompt,
+    eval_prompts, heldout_prompts, training_prompts)
 from castspec.train.evaluate import evaluate_drafter, r_per_domain, request_of
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
@@ -21,6 +21,9 @@ def test_eval_sets_are_sized_like_the_heldout_split_and_never_trained_on():
     turn2 = eval_prompts("mtbench-turn2", 4)
     assert all(len(p.earlier_turns) == 1 and p.chat for p in turn2)
     assert not {p.earlier_turns[0] for p in turn2} & train_texts  # the first turns are the held-out ones
+    # the follow-ups of multi-turn training data are none of the second turns evaluated
+    follow = set(FOLLOW_UPS_ANY).union(*FOLLOW_UPS.values())
+    assert not follow & {p.text for p in eval_prompts("mtbench-turn2", 40)}
     assert all(not p.chat for p in eval_prompts("humaneval-completion", 4))
     with pytest.raises(ValueError, match="unknown prompt set"):
         eval_prompts("nope")

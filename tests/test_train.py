@@ -11,8 +11,9 @@ from castspec.models.draft_vocab import save_draft_vocab
 from castspec.models.load import load_drafter
 from castspec.train.blocks import (block_inputs, block_mask, chain_acceptance, parse_window_schedule, teacher_rows,
     window_at)
-from castspec.prompts import Prompt
-from castspec.train.datagen import DataGenConfig, batched_generate, generate_dataset, shard_files
+from castspec.prompts import FOLLOW_UPS, FOLLOW_UPS_ANY, Prompt, follow_ups
+from castspec.train.datagen import (DataGenConfig, answered_prompts, batched_generate, encode_prompt, generate_dataset,
+    load_records, shard_files)
 from castspec.train.diagnose import diagnose, ngram_baselines
 from castspec.train.replay import committed_per_round, replay_r
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
@@ -396,3 +397,34 @@ def test_dataset_shards_do_not_depend_on_grouping_parts_or_resume(tmp_path):
     assert make(tmp_path / "parts", 2, parts=((1, 2), (0, 2))) == one
     shard_files(tmp_path / "grouped")[1].unlink()
     assert make(tmp_path / "grouped", 3) == one
+
+
+def test_follow_up_data_continues_the_conversation_after_the_datasets_own_answers(tmp_path):
+    # make-data --follow-up: a second user turn of our own after each answer of a first-turn dataset; the
+    # prompt holds the whole conversation (first turn, the target's answer as the dataset has it, follow-up)
+    target = native(make_hf(llama_config(vocab=24), seed=1))
+    tok = tiny_tokenizer(24)
+    firsts = [Prompt(["code", "math", "chat"][i % 3], "t", f"w{i + 3} w{i + 4}", f"p{i}") for i in range(5)]
+    cfg = DataGenConfig(max_new_tokens=6, batch_size=2)
+    generate_dataset(target, tok, firsts, tmp_path / "first", cfg, stop_ids={0})
+    answered = answered_prompts(tmp_path / "first", tok, firsts)
+    records = load_records(tmp_path / "first")
+    assert [p.id for p, _ in answered] == [r["id"] for r in records]
+    assert [a for _, a in answered] == [tok.decode(r["response_ids"], skip_special_tokens=True) for r in records]
+    second = follow_ups(answered, seed=3)
+    assert second == follow_ups(answered, seed=3) and len({p.id for p in second}) == len(second)
+    for p, (first, answer) in zip(second, answered):
+        assert p.domain == first.domain and p.text in FOLLOW_UPS_ANY + FOLLOW_UPS[p.domain]
+        assert p.earlier_turns == (first.text,) and p.earlier_answers == (answer,)
+    generate_dataset(target, tok, second, tmp_path / "second", cfg, stop_ids={0})
+    for r, p, first in zip(load_records(tmp_path / "second"), second, records):
+        text = tok.apply_chat_template([{"role": "user", "content": p.earlier_turns[0]},
+                                        {"role": "assistant", "content": p.earlier_answers[0]},
+                                        {"role": "user", "content": p.text}], add_generation_prompt=True,
+                                       tokenize=False)
+        assert r["prompt_ids"] == tok.encode(text, add_special_tokens=False) and r["id"] == p.id
+        assert r["prompt_ids"][:len(first["prompt_ids"])] == first["prompt_ids"]  # the first turn, as it was
+    with pytest.raises(ValueError, match="answers to its earlier turns"):
+        encode_prompt(tok, Prompt("chat", "t", "w3", "x", earlier_turns=("w4",)))
+    with pytest.raises(ValueError, match="none of the training prompts"):
+        answered_prompts(tmp_path / "first", tok, firsts[1:])

@@ -9,9 +9,10 @@ import torch
 
 from ..engine import DTYPES
 from ..models.load import load_drafter, load_target, rope_parameters_of
-from ..prompts import heldout_prompts, training_prompts
+from ..prompts import follow_ups, heldout_prompts, training_prompts
 from ..train.blocks import parse_window_schedule
-from ..train.datagen import DataGenConfig, batched_generate, encode_chat, generate_dataset, load_records, shard_files
+from ..train.datagen import (DataGenConfig, answered_prompts, batched_generate, encode_chat, generate_dataset,
+    load_records, shard_files)
 from ..train.distributed import join, launched, launcher_part, leave
 from ..train.replay import replay_r
 from ..train.trainer import TrainConfig, TrainError, train
@@ -120,11 +121,25 @@ def _make_data(args, loaded) -> dict:
     cfg = DataGenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         temperature=args.temperature, seed=args.seed, dtype=args.dtype)
     stop = set(loaded.model.cfg.eos_token_ids) | {loaded.tokenizer.eos_token_id}
-    prompts = training_prompts(seed=args.seed)
+    prompts = _datagen_prompts(args, loaded.tokenizer)
     if args.max_prompts:
         prompts = prompts[:args.max_prompts]
     return generate_dataset(loaded.model, loaded.tokenizer, prompts, Path(args.out_data), cfg, stop,
                             args.limit_tokens, part=_part(args.part))
+
+
+def _datagen_prompts(args, tokenizer) -> list:
+    """make-data's prompts: the training prompts drawn with --seed, or with --follow-up DIR a second turn of
+    our own after each answer in that dataset."""
+    if not args.follow_up:
+        return training_prompts(seed=args.seed)
+    source = Path(args.follow_up)
+    if not shard_files(source):
+        raise UserError(f"--follow-up: no make-data dataset in {source}")
+    try:
+        return follow_ups(answered_prompts(source, tokenizer), args.seed)
+    except (ValueError, OSError, KeyError) as e:
+        raise UserError(f"--follow-up: {e}") from None
 
 
 def _part(text: str | None) -> tuple[int, int]:
@@ -205,6 +220,9 @@ def _add_datagen_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--follow-up", default=None, metavar="DIR",
+                   help="multi-turn data: the prompts are a second user turn of our own after each of the "
+                        "target's answers in DIR (a make-data dataset of first turns)")
     p.add_argument("--limit-tokens", type=int, default=None, help="stop once this many response tokens exist")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--part", default=None, help="i/n: generate only every n-th batch, starting at i "

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from ..config import DecodeConfig
 from ..decode import raise_error
 from ..models.decoder import Decoder
-from ..prompts import Prompt
+from ..prompts import Prompt, training_prompts
 from ..round import run_round
 from ..sequence import Sequence
 
@@ -66,11 +66,26 @@ def batched_generate(target: Decoder, prompts: list[list[int]], max_new_tokens: 
     return out
 
 
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation through the tokenizer's chat template, ready for the assistant's next answer."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
+
+
 def encode_chat(tokenizer, text: str) -> list[int]:
     """A single user turn through the tokenizer's chat template, ready for the assistant's answer."""
-    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
+    return encode_messages(tokenizer, [{"role": "user", "content": text}])
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """A training prompt ready for the target's answer: its earlier turns, each followed by the answer the
+    dataset already holds, then its own text."""
+    if len(prompt.earlier_answers) != len(prompt.earlier_turns):
+        raise ValueError(f"prompt {prompt.id}: training data needs the answers to its earlier turns")
+    messages = []
+    for turn, answer in zip(prompt.earlier_turns, prompt.earlier_answers):
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+    return encode_messages(tokenizer, messages + [{"role": "user", "content": prompt.text}])
 
 
 def shard_path(out_dir: Path, index: int) -> Path:
@@ -89,7 +104,7 @@ def generate_dataset(target: Decoder, tokenizer, prompts: list[Prompt], out_dir:
     tmp = out_dir / f"datagen.json.{part[0]}.tmp"  # several workers write the same file: each one whole
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, out_dir / "datagen.json")
-    encoded = [encode_chat(tokenizer, p.text) for p in prompts]
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
     batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts), cfg.batch_size)]
     todo = [b for b in range(len(batches)) if b % part[1] == part[0] and not shard_path(out_dir, b).exists()]
     summary = dataset_summary(out_dir)
@@ -139,3 +154,18 @@ def dataset_summary(data_dir: Path) -> dict:
         examples += len(recs)
         tokens += sum(len(r["response_ids"]) for r in recs)
     return {"shards": len(files), "examples": examples, "response_tokens": tokens}
+
+
+def answered_prompts(data_dir: Path, tokenizer, prompts: list[Prompt] | None = None) -> list[tuple[Prompt, str]]:
+    """The prompts a make-data dataset answered, each with the target's answer as text, in the dataset's order.
+    `prompts` holds them (default: the training prompts drawn with the seed in the dataset's datagen.json)."""
+    data_dir = Path(data_dir)
+    if prompts is None:
+        prompts = training_prompts(seed=json.loads((data_dir / "datagen.json").read_text())["config"]["seed"])
+    by_id = {p.id: p for p in prompts}
+    out = []
+    for r in load_records(data_dir):
+        if r["id"] not in by_id:
+            raise ValueError(f"{data_dir}: record {r['id']!r} is none of the training prompts it was made from")
+        out.append((by_id[r["id"]], tokenizer.decode(r["response_ids"], skip_special_tokens=True)))
+    return out
