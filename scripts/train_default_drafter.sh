@@ -19,6 +19,13 @@ DATA4=${DATA4:-data/smollm2-bf16-t1-s2}
 RUN4=${RUN4:-runs/drafter-smollm2-v8}
 STEPS4=${STEPS4:-2100}
 STOP4=${STOP4:-2100}
+# leg 5 (v9): multi-turn data: first turns to 2,400 training prompts drawn with seed 3, then a second user turn
+# of our own after each of those answers (make-data --follow-up), trained on together, a fresh cycle from v8
+DATA5=${DATA5:-data/smollm2-bf16-greedy-s3}
+DATA5F=${DATA5F:-data/smollm2-bf16-followup-s3}
+RUN5=${RUN5:-runs/drafter-smollm2-v9}
+STEPS5=${STEPS5:-1100}
+STOP5=${STOP5:-1100}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -28,6 +35,8 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA" --batch-size 24
   $CLI make-data --out "$DATA3" --batch-size 24 --seed 1
   $CLI make-data --out "$DATA4" --batch-size 24 --seed 2 --temperature 1.0
+  $CLI make-data --out "$DATA5" --batch-size 24 --seed 3 --max-prompts 2400
+  $CLI make-data --out "$DATA5F" --batch-size 24 --seed 3 --follow-up "$DATA5"
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -52,7 +61,11 @@ $CLI train-drafter --data "$DATA3" --out "$RUN3" --layers 2 --seqs-per-step 4 --
 $CLI train-drafter --data "$DATA3,$DATA4" --out "$RUN4" --layers 2 --seqs-per-step 4 --anchors 64 --lr 4e-4 \
     --norm-init ones --init-from "$RUN3/drafter" --draft-vocab "$RUN3/drafter" --steps "$STEPS4" --stop-after "$STOP4" \
     --checkpoint-every 25 --export-every 300 --eval-per-domain 4
-# 6. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 6. leg 5: warm start from v8 on the seed-3 first turns and their follow-ups together (multi-turn chats)
+$CLI train-drafter --data "$DATA5,$DATA5F" --out "$RUN5" --layers 2 --seqs-per-step 4 --anchors 64 --lr 3e-4 \
+    --norm-init ones --init-from "$RUN4/drafter" --draft-vocab "$RUN4/drafter" --steps "$STEPS5" --stop-after "$STOP5" \
+    --checkpoint-every 25 --export-every 250 --eval-per-domain 4
+# 7. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN4/drafter/config.json" "$RUN4/drafter/model.safetensors" "$RUN4/drafter/draft_vocab.safetensors" \
+cp "$RUN5/drafter/config.json" "$RUN5/drafter/model.safetensors" "$RUN5/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
