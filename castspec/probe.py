@@ -48,10 +48,11 @@ def engine_key(engine) -> dict:
     if dev.type == "cpu" and packing_available(engine.dtype):
         name += "-packed"  # the packed linears changed every cost: profiles measured without them are stale
     if dev.type == "cpu" and native.library() is not None:
-        # so did castspec's own kernels for a few rows, and its native forwards (target and drafter)
+        # so did castspec's own kernels and native forwards (target and drafter), and so does every change to
+        # their code or build: the library's key
         rows = native_step.max_rows(engine.dtype)  # the drafter's too (profiles of a capped drafter are stale)
         name += (f"-native{native.MAX_ROWS.get(engine.dtype, 0)}-rows{'any' if rows is None else rows}"
-                 f"-gemm{'-amx' if native.library().gemm_amx_on() else ''}")
+                 f"-gemm{'-amx' if native.library().gemm_amx_on() else ''}-{native.library_key()}")
     if engine.target.graphs is not None:
         name += "-graphs"  # padded, captured forwards cost something else than eager ones (castspec/graphs.py)
     drafter = "none"

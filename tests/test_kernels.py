@@ -206,6 +206,19 @@ def test_build_cache_key_covers_mode_and_compiler(lib):
     assert native._library_path(mode, "cc", "v") != native._library_path(other, "cc", "v")
 
 
+def test_per_cpu_tuning_enters_the_flags_and_the_cache_key(monkeypatch):
+    """Zen 4 (AMD family 25 with AVX-512) builds gemm.c's prefetch into L2; other CPUs and builds keep the
+    defaults; a tuned build is a library of its own."""
+    monkeypatch.setattr(native, "_cpu_model", lambda: ("AuthenticAMD", 25))
+    tuned = native._flags("avx512")
+    assert "-DPREFETCH_HINT=_MM_HINT_T1" in tuned and "-DPREFETCH_HINT=_MM_HINT_T1" not in native._flags("avx2")
+    tuned_path = native._library_path("avx512", "cc", "v")
+    for other in (("AuthenticAMD", 26), ("GenuineIntel", 6), None):
+        monkeypatch.setattr(native, "_cpu_model", lambda other=other: other)
+        assert not any(f.startswith("-DPREFETCH") for f in native._flags("avx512"))
+    assert native._library_path("avx512", "cc", "v") != tuned_path
+
+
 def _builds_by_copying(monkeypatch, good):
     """native._build replaced by a copy of a good library (no compiler run); returns the list of builds."""
     builds = []

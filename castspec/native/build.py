@@ -67,6 +67,22 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+def _cpu_model() -> tuple[str, int] | None:
+    """(vendor_id, cpu family) of the first CPU in /proc/cpuinfo, None where it does not say."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()[:8]
+        fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines if ":" in line)}
+        return fields["vendor_id"], int(fields["cpu family"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+# Build-time settings of csrc/gemm.c's weight prefetch chosen per CPU where they measured faster than its defaults
+# (docs/performance.md, "On a Zen 4 EPYC"): AMD family 25 with AVX-512 is Zen 4, which runs each 512-bit operation
+# on 256-bit units; there products of 2 rows and more fetch their weight lines ahead into L2 rather than L1.
+TUNING = {("avx512", ("AuthenticAMD", 25)): ("-DPREFETCH_HINT=_MM_HINT_T1", "-DPREFETCH_MIN_ROWS=2")}
+
+
 def cpu_supported(build: str = "avx512") -> bool:
     """Whether this CPU runs `build` (avx512 or avx2) natively."""
     return all(f in _cpu_flags() for f in CPU_FLAGS[build])
@@ -109,7 +125,7 @@ def _compiler() -> tuple[str, str]:
 
 
 def _flags(build: str) -> tuple[str, ...]:
-    return (*COMMON_FLAGS, *BUILD_FLAGS[build])
+    return (*COMMON_FLAGS, *BUILD_FLAGS[build], *TUNING.get((build, _cpu_model()), ()))
 
 
 def _library_path(build: str, compiler: str, version: str) -> Path:
@@ -194,6 +210,12 @@ def library():
     # for the whole process: a row's bits differ between AMX and AVX-512 products
     lib.gemm_use_amx(int(amx_wanted(build)))
     return lib
+
+
+def library_key() -> str | None:
+    """The key of the library library() loads (a hash of its sources, flags, build and compiler), None where none
+    loads: what it computes changes with it, so measurements of its speed (cost profiles) keep it."""
+    return Path(library()._name).stem.rsplit("-", 1)[-1] if library() is not None else None
 
 
 def loaded_build() -> str | None:

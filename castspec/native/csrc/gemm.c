@@ -56,6 +56,11 @@
 #ifndef PREFETCH_LINES
 #define PREFETCH_LINES 32
 #endif
+/* Where those lines go: L1 (T0) where this was tuned first; native/build.py picks L2 (T1) on CPUs where that
+ * measured faster (docs/performance.md). */
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
 #ifndef FETCH_NEXT
 #define FETCH_NEXT 1 /* whether row groups after the first fetch the next block */
 #endif
@@ -81,7 +86,7 @@ static inline __attribute__((always_inline)) int fetch_next_now(const Fetch *f, 
 }
 
 static inline __attribute__((always_inline)) void fetch_lines(const Fetch *f, const void *line, size_t esz, int now) {
-    if (f->ahead) _mm_prefetch((const char *)line + (int64_t)f->ahead * 64, _MM_HINT_T0);
+    if (f->ahead) _mm_prefetch((const char *)line + (int64_t)f->ahead * 64, PREFETCH_HINT);
     if (now) _mm_prefetch((const char *)line + f->next * (int64_t)esz, _MM_HINT_T1);
 }
 

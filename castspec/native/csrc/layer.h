@@ -24,6 +24,7 @@
 
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy);
 void gemm_f32(const float *P, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
+int gemm_amx_on(void);
 
 /* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native/abi.py's Layer. */
 typedef struct {
@@ -85,12 +86,12 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
 
 /* Y[M, O] = X[M, I] . W[O, I]^T + b in fp32 through gemm.c (W packed by native/pack.py): in a bf16 model the rows
  * X are rounded to bf16 as they enter the product (xs: scratch of GEMM_ROWS(M) * I bf16 elements, the rows past
- * M zeroed) and its fp32 sums kept, the bias added in fp32. */
+ * M zeroed where AMX tiles read them) and its fp32 sums kept, the bias added in fp32. */
 static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
                    uint16_t *xs, float *Y) {
     if (m->bf16) {
         to_model(X, xs, (int64_t)M * I);
-        memset(xs + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
+        if (gemm_amx_on()) memset(xs + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
         gemm_bf16_f32(W, xs, Y, M, O, I, I, O);
     } else {
         gemm_f32(W, X, Y, M, O, I, I, O);
