@@ -19,7 +19,7 @@ from .native import build as native
 from .native import forward as native_step
 from .native.linear import packing_available
 from .pack import pack_tree
-from .round import run_round, synchronize
+from .round import greedy_tokens, run_round, synchronize
 from .sequence import Sequence, propose_batch
 from .tree import build_tree
 from .verify import greedy_walk
@@ -83,7 +83,7 @@ def _verify_call(target, seqs: list[Sequence], tree) -> Callable[[], None]:
 
     def verify():
         logits, _ = target.forward_segments(ids, pos, segments, taps=taps)
-        logits[0].argmax(-1).tolist()  # the host sync decoding pays too
+        greedy_tokens(logits[0])  # the host sync decoding pays too
 
     return verify
 

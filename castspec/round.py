@@ -206,12 +206,20 @@ def lay_out(device: torch.device, seqs: list[Sequence], trees: list[Tree], prefi
                 prefill_tokens=sum(p.length for p in parts if p.tree is None))
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of logits [rows, V] (the first of tied maxima, as torch's): through numpy for fp32
+    rows on the CPU, whose argmax over a 49k-token row took a tenth of torch's (docs/performance.md)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def forward(target: Decoder, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """Step 3: the one target forward. Returns the logits of the read rows [rows read, V], the tapped hidden
     states of every row (None without taps) and the greedy token of each read row."""
     logits, feats = target.forward_segments(rows.ids, rows.positions, rows.segments, rows.logit_rows, rows.taps)
     logits = logits[0]
-    greedy = logits.argmax(dim=-1).tolist()  # the one device->host sync of the verify step
+    greedy = greedy_tokens(logits)  # the one device->host sync of the verify step
     return logits, feats, greedy
 
 

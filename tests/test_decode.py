@@ -4,7 +4,7 @@ import torch
 
 from castspec.config import DecodeConfig
 from castspec.allocate import Policy
-from castspec.round import run_round
+from castspec.round import greedy_tokens, run_round
 from castspec.decode import ContextLengthError, DecodeStats, decode
 from castspec.sequence import Sequence
 from castspec.engine import Engine
@@ -195,3 +195,15 @@ def test_engine_requires_drafter_for_speculative_methods(models):
         engine.generate(prompt="hello", method="ar")
     r = engine.generate(input_ids=[1, 2], method="ar", max_new_tokens=4)
     assert len(r.token_ids) == 4 and r.stats.mean_accepted == 1.0
+
+
+def test_greedy_tokens_are_torch_argmax_ties_included():
+    """The verify step's argmax (numpy on the CPU) picks what torch's does, the first of tied maxima."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g)
+    logits[2, [5, 17, 900]] = 50.0  # a three-way tie
+    logits[4, :] = -3.0  # the whole row tied
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist() == greedy_tokens(logits.double())
+    assert greedy_tokens(logits)[2] == 5 and greedy_tokens(logits)[4] == 0
+    view = torch.randn(1, 3, 7, 100, generator=g)[0, :, 2]  # a strided view
+    assert greedy_tokens(view) == view.argmax(-1).tolist()
