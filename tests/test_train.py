@@ -292,8 +292,27 @@ def test_initialization_options_and_warm_start(tiny_data, tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k])
     with pytest.raises(TrainError, match="cannot warm-start"):
-        train(target, records, tmp_path / "c", tiny_config(steps=1, num_layers=3, init_from=str(tmp_path / "a" / "drafter")),
+        train(target, records, tmp_path / "c", tiny_config(steps=1, block_size=5, init_from=str(tmp_path / "a" / "drafter")),
               ROPE, progress=False)
+    with pytest.raises(TrainError, match="cannot warm-start"):  # fewer layers than the start: nothing to grow
+        train(target, records, tmp_path / "c", tiny_config(steps=1, num_layers=1, init_from=str(tmp_path / "a" / "drafter")),
+              ROPE, progress=False)
+    # growing: a 3-layer run from the 2-layer drafter starts as exactly that drafter (its new layer adds zero)
+    train(target, records, tmp_path / "g", tiny_config(steps=1, lr=0.0, num_layers=3, init_from=str(tmp_path / "a" / "drafter")),
+          ROPE, progress=False)
+    g = load_drafter(tmp_path / "g" / "drafter", target, dtype=torch.float32)
+    assert g.cfg.num_layers == 3
+    for k in a:
+        torch.testing.assert_close(a[k], g.state_dict()[k])
+    assert not g.layers[2].self_attn.o_proj.weight.any() and not g.layers[2].mlp.down_proj.weight.any()
+    assert g.layers[2].mlp.gate_up_weight.any()  # the rest of the new layer is random, so that it can learn
+    old = load_drafter(tmp_path / "a" / "drafter", target, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    H, T, C = old.cfg.hidden_size, old.cfg.block_size, 4
+    args = (torch.randn(1, T, H, generator=gen), torch.arange(C, C + T)[None],
+            torch.randn(1, C, len(old.cfg.target_layer_ids) * H, generator=gen), torch.arange(C)[None])
+    with torch.inference_mode():
+        torch.testing.assert_close(g(*args), old(*args))
 
 
 def test_ngram_baselines_known_answer():

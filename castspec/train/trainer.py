@@ -14,7 +14,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -147,16 +147,29 @@ def scale_fc_init(target: Decoder, drafter: DFlashDrafter, records: list[dict], 
 
 
 def warm_start(drafter: DFlashDrafter, path: Path) -> None:
-    """Copy the weights of an existing drafter with the same configuration (fine-tuning on new data)."""
+    """Copy the weights of an existing drafter with the same configuration (fine-tuning on new data), or with the
+    same but fewer layers (growing it): those become its first layers, and every new layer starts with its
+    attention and MLP output projections at zero, so that the grown drafter computes exactly what the old one did
+    (each new layer adds nothing to the residual stream) until training moves them."""
     try:
         other = DrafterConfig.from_json(json.loads((path / "config.json").read_text()))
         weights = load_file(path / "model.safetensors")
     except Exception as e:
         raise TrainError(f"cannot warm-start from {path}: {type(e).__name__}: {e}") from None
-    if other.to_json() != drafter.cfg.to_json():
-        raise TrainError(f"cannot warm-start from {path}: its configuration differs from this run's")
+    grows = (other.num_layers < drafter.cfg.num_layers
+             and replace(other, num_layers=drafter.cfg.num_layers).to_json() == drafter.cfg.to_json())
+    if other.to_json() != drafter.cfg.to_json() and not grows:
+        raise TrainError(f"cannot warm-start from {path}: its configuration differs from this run's"
+                         " (other than by having fewer layers)")
     with torch.no_grad():
-        drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+        missing, unexpected = drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=not grows)
+        new = tuple(f"layers.{i}." for i in range(other.num_layers, drafter.cfg.num_layers))
+        if unexpected or not all(k.startswith(new) for k in missing):
+            raise TrainError(f"cannot warm-start from {path}: weights missing or unexpected "
+                             f"({[k for k in missing if not k.startswith(new)][:3]}, {unexpected[:3]})")
+        for layer in drafter.layers[other.num_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
 
 def draft_vocab_of(path: Path, vocab_size: int) -> torch.Tensor:
