@@ -291,15 +291,16 @@ def test_initialization_options_and_warm_start(tiny_data, tmp_path):
     b = load_drafter(tmp_path / "b" / "drafter", target, dtype=torch.float32).state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k])
+    start = str(tmp_path / "a" / "drafter")
     with pytest.raises(TrainError, match="cannot warm-start"):
-        train(target, records, tmp_path / "c", tiny_config(steps=1, block_size=5, init_from=str(tmp_path / "a" / "drafter")),
-              ROPE, progress=False)
+        train(target, records, tmp_path / "c", tiny_config(steps=1, block_size=5, init_from=start), ROPE,
+              progress=False)
     with pytest.raises(TrainError, match="cannot warm-start"):  # fewer layers than the start: nothing to grow
-        train(target, records, tmp_path / "c", tiny_config(steps=1, num_layers=1, init_from=str(tmp_path / "a" / "drafter")),
-              ROPE, progress=False)
+        train(target, records, tmp_path / "c", tiny_config(steps=1, num_layers=1, init_from=start), ROPE,
+              progress=False)
     # growing: a 3-layer run from the 2-layer drafter starts as exactly that drafter (its new layer adds zero)
-    train(target, records, tmp_path / "g", tiny_config(steps=1, lr=0.0, num_layers=3, init_from=str(tmp_path / "a" / "drafter")),
-          ROPE, progress=False)
+    train(target, records, tmp_path / "g", tiny_config(steps=1, lr=0.0, num_layers=3, init_from=start), ROPE,
+          progress=False)
     g = load_drafter(tmp_path / "g" / "drafter", target, dtype=torch.float32)
     assert g.cfg.num_layers == 3
     for k in a:

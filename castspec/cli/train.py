@@ -193,7 +193,8 @@ def register(sub) -> None:
                    "(default: 3 spread over layers 1..N-3, the public convention)")
     t.add_argument("--fc-init", choices=("plain", "scaled"), default="plain",
                    help="fc at start: isotropic (default) or its columns scaled to the tapped features' sizes")
-    t.add_argument("--init-from", default=None, help="warm start from this drafter directory (same shapes; or fewer layers, which grows it: "
+    t.add_argument("--init-from", default=None,
+                   help="warm start from this drafter directory (same shapes; or fewer layers, which grows it: "
                    "the new layers start adding nothing)")
     t.add_argument("--init-from-target", action="store_true",
                    help="start the drafter layers from the target's last layers")

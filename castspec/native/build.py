@@ -60,20 +60,26 @@ MAX_ROWS = {torch.bfloat16: 8, torch.float32: 4}
 _ENTRY = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _cpuinfo() -> str:
+    """/proc/cpuinfo, read once ('' where there is none: not Linux)."""
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:  # not Linux
-        return set()
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo().split())
 
 
 def _cpu_model() -> tuple[str, int] | None:
     """(vendor_id, cpu family) of the first CPU in /proc/cpuinfo, None where it does not say."""
+    lines = _cpuinfo().splitlines()[:8]
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines if ":" in line)}
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()[:8]
-        fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines if ":" in line)}
         return fields["vendor_id"], int(fields["cpu family"])
-    except (OSError, KeyError, ValueError):
+    except (KeyError, ValueError):
         return None
 
 
