@@ -147,8 +147,9 @@ class CostAware(Policy):
 
     def __init__(self, rule: RoundWidth, top_k_per_position: int = 8, explore_every: int = 8, momentum: float = 0.8,
                  max_explore_every: int = 64, decision_momentum: float = 0.95, min_drafted: int = 6,
-                 try_rounds: int = 3):
+                 try_rounds: int = 3, block_rows: int | None = None):
         self.rule, self.top_k_per_position = rule, top_k_per_position
+        self.block_rows = block_rows  # rows of one request's drafter block: prices a batched pass (draft_could_pay)
         self.explore_every, self.momentum = explore_every, momentum
         self.min_explore, self.max_explore = explore_every, max_explore_every
         self.decision_momentum, self.min_drafted, self.try_rounds = decision_momentum, min_drafted, try_rounds
@@ -181,11 +182,11 @@ class CostAware(Policy):
         priced by the profile (its batched drafter pass and verify) at the acceptance drafted rounds have shown
         per request (tokens and nodes). Acceptance does not depend on the batch; the cost of drafting does (a
         pass for 16 requests' blocks is mostly compute and can cost about a plain round). Before drafted rounds
-        are measured, with PRIOR_TOKENS per request and no node cost; True where the profile has no batched
-        shapes."""
+        are measured, with PRIOR_TOKENS per request and no node cost. Without batched shapes in the profile, the
+        pass is priced from the single-request pass (CostProfile.batch_draft_at); True where nothing prices it."""
         prof = self.rule.profile
         prefix = prof.prefix_lens[0]
-        draft = prof.batch_draft_at(batch, prefix)
+        draft = prof.batch_draft_at(batch, prefix, self.block_rows)
         if draft is None:
             return True
         tokens, nodes = (PRIOR_TOKENS, 0.0) if self.request_tokens is None else (self.request_tokens,
@@ -343,7 +344,7 @@ def make_policy(spec: PolicySpec, depth: int, profile: CostProfile | None = None
             raise ValueError("width 'auto' and the cost policy choose widths from a measured cost profile: pass "
                              "one (the Engine probes it once per deployment), or give an integer width")
         return CostAware(RoundWidth(profile, min(profile.max_width, universe_size(depth, k)),
-                                    calibration=calibration), k)
+                                    calibration=calibration), k, block_rows=depth + 1)
     if spec.policy == "fixed":
         return FixedWidth(spec.width, k)
     if spec.policy == "uniform":

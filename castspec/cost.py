@@ -94,13 +94,19 @@ class CostProfile:
         """One request's drafter pass."""
         return float(np.interp(prefix, self.prefix_lens, self.draft_ms))
 
-    def batch_draft_at(self, batch: int, prefix: float) -> float | None:
+    def batch_draft_at(self, batch: int, prefix: float, block_rows: int | None = None) -> float | None:
         """One drafter pass for `batch` requests: the single-request pass at B = 1, else interpolated over the
-        probed batch sizes (past the largest, the last slope goes on); None without batched measurements."""
+        probed batch sizes (past the largest, the last slope goes on). Without batched measurements, given the
+        rows of one request's block, the single pass scaled as this device's verify cost grows from one block's
+        rows to B blocks' (both are mostly the same kind of products: flat where a forward is bound by the
+        weight read, linear where it is compute-bound); else None."""
         if batch <= 1:
             return self.draft_at(prefix)
         if not self.batch:
-            return None
+            if not block_rows:
+                return None
+            return self.draft_at(prefix) * self.verify_at(batch * block_rows, prefix) / max(
+                self.verify_at(block_rows, prefix), 1e-9)
         probed = sorted(int(b) for b in self.batch)
         draft_ms = [self.draft_at(prefix), *(self.batch[str(b)]["draft_ms"] for b in probed)]
         return extend_interp(batch, [1, *probed], draft_ms)

@@ -41,10 +41,23 @@ class DraftState:
     def __init__(self, drafter: DFlashDrafter, capacity: int):
         self.drafter = drafter
         self.cache = drafter.new_cache(capacity)
-        self.pending: torch.Tensor | None = None  # [1, C, taps*H] features of positions [cache.length, +C)
+        self._chunks: list[torch.Tensor] = []  # the pending features, in the order the rounds added them
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        """[1, C, taps*H] features of positions [cache.length, +C) (None when there are none), joined when read:
+        a sequence that does not draft for many rounds (under load) only appends, instead of copying all it has
+        pending every round."""
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks, dim=1)]
+        return self._chunks[0] if self._chunks else None
+
+    @pending.setter
+    def pending(self, features: torch.Tensor | None) -> None:
+        self._chunks = [] if features is None else [features]
 
     def add_context(self, features: torch.Tensor) -> None:
-        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+        self._chunks.append(features)
 
     def propose(self, target: Decoder, root: int, depth: int) -> Marginals:
         """Log-probabilities [depth, V] of the next `depth` tokens after `root` (at position = context end), with

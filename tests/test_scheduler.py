@@ -11,7 +11,7 @@ from castspec.config import DecodeConfig
 from castspec.cost import CostProfile, RoundWidth
 from castspec.decode import decode
 from castspec.serving.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
-from castspec.sequence import Sequence
+from castspec.sequence import DraftState, Sequence
 from castspec.tree import build_forest, build_tree
 from conftest import llama_config, make_hf, native, qwen3_config, random_drafter, serve_all
 
@@ -314,6 +314,37 @@ def test_cost_policy_skips_tries_the_profile_prices_out_under_load(batch_draft_m
             drafted_after.append(plain_round)
             break
     assert drafted_after == ([4] if tries else [16])
+
+
+@pytest.mark.parametrize("slope,drafts", [(1.0, False), (0.0, True)])
+def test_cost_policy_prices_a_batched_pass_from_one_request_without_batched_shapes(slope, drafts):
+    # no batched shapes in the profile: a pass for 16 blocks of 16 rows is priced as the single pass (5 ms)
+    # scaled the way this device's verify grows from 16 rows to 256. Where each row costs 1 ms of compute that
+    # is ~51 ms, so 2 tokens a request cannot beat a plain round of 16 (26 ms); where a forward is flat the
+    # pass stays 5 ms against a 10 ms plain round, and drafting is tried as before
+    packed = [1, 2, 4, 8, 16, 32, 64, 128]
+    prof = CostProfile({}, packed, [0, 1024], [[10 + slope * n for n in packed]] * 2, [5.0, 5.0])
+    assert prof.batch_draft_at(16, 0.0) is None
+    assert prof.batch_draft_at(16, 0.0, 16) == pytest.approx(5 * prof.verify_at(256, 0.0) / prof.verify_at(16, 0.0))
+    assert prof.batch_draft_at(1, 0.0, 16) == prof.draft_at(0.0)
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None), block_rows=16)
+    assert policy.should_draft(1) and policy.should_draft(16) == drafts
+    assert make_policy(PolicySpec.parse("cost"), 15, prof).block_rows == 16
+
+
+def test_pending_features_join_in_order_when_read(models):
+    # rounds that do not draft append their features; the drafter reads them joined, in order
+    state = DraftState(models[1], 64)
+    assert state.pending is None
+    chunks = [torch.randn(1, n, 8) for n in (5, 1, 2)]
+    for c in chunks:
+        state.add_context(c)
+    assert torch.equal(state.pending, torch.cat(chunks, dim=1)) and torch.equal(state.pending, torch.cat(chunks, dim=1))
+    state.pending = chunks[0][:, 2:]
+    state.add_context(chunks[1])
+    assert torch.equal(state.pending, torch.cat([chunks[0][:, 2:], chunks[1]], dim=1))
+    state.pending = None
+    assert state.pending is None
 
 
 def test_cost_policy_measures_a_plain_round_before_trusting_the_profile():
