@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 import httpx
 import uvicorn
 
+from ..native.threads import release_workers
+
 
 def free_port() -> int:
     """A loopback port that was free a moment ago (the OS picks it)."""
@@ -32,6 +34,9 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, name="castspec-live-server", daemon=True)
 
     def __enter__(self) -> str:
+        # the app's scheduler computes on a thread of its own from now on: this thread (which loaded the models)
+        # hands its OpenMP workers back, or the two pools would slow every forward down (native/threads.py)
+        release_workers()
         self.thread.start()
         deadline = time.time() + 60
         while not self.server.started:

@@ -25,6 +25,7 @@ import torch
 from ..allocate import PolicySpec, make_policy
 from ..config import DecodeConfig
 from ..cost import CostProfile
+from ..native.threads import release_workers
 from ..round import run_round
 from ..sequence import Sequence, check_request
 
@@ -290,14 +291,24 @@ class Scheduler:
             self._finish_if_done(r)
 
     def run(self, stop: threading.Event) -> None:
-        """Serve until `stop` is set; sleeps while idle."""
+        """Serve until `stop` is set; sleeps while idle, its OpenMP workers handed back (native/threads.py: the
+        pool of a thread that is not computing would slow down the thread that is)."""
+        idle = False
         while not stop.is_set():
-            if not self.step():
-                with self._lock:
-                    if not self._waiting:
-                        self._lock.wait(timeout=0.05)
+            if self.step():
+                idle = False
+                continue
+            if not idle:
+                release_workers()
+                idle = True
+            with self._lock:
+                if not self._waiting:
+                    self._lock.wait(timeout=0.05)
 
     def start(self) -> threading.Event:
+        """Serve on a thread of its own. The calling thread (which loaded and probed the models) hands its
+        OpenMP workers back first, so that the scheduler's thread is the one whose workers spin."""
+        release_workers()
         stop = threading.Event()
         self._thread = threading.Thread(target=self.run, args=(stop,), name="castspec-scheduler", daemon=True)
         self._thread.start()
