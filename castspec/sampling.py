@@ -74,20 +74,21 @@ class LogitProcessor:
         return int(torch.argmax(self.adjusted(logits, history)))
 
     def probs(self, logits: torch.Tensor, history: "History | None" = None) -> np.ndarray:
-        """Processed distribution over the vocabulary (float64, sums to 1) from one row of logits."""
-        x = self.adjusted(logits, history) / self.temperature
-        if 0 < self.top_k < x.numel():
-            kth = torch.topk(x, self.top_k).values[-1]
-            x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
-        p = torch.softmax(x, dim=-1)
+        """Processed distribution over the vocabulary (float64, sums to 1) from one row of logits. The softmax
+        runs in numpy: on one row torch's per-op overhead cost about as much as the arithmetic."""
+        x = self.adjusted(logits, history).numpy()  # a float64 copy of its own
+        x /= self.temperature
+        if 0 < self.top_k < x.size:
+            x[x < np.partition(x, x.size - self.top_k)[x.size - self.top_k]] = -np.inf
+        p = np.exp(x - x.max(), out=x)
+        p /= p.sum()
         if self.top_p < 1.0:
             # keep the smallest set of most likely tokens whose mass reaches top_p (the first token always stays)
-            sorted_p, order = torch.sort(p, descending=True)
+            sorted_p, order = torch.sort(torch.from_numpy(p), descending=True)
             before = torch.cumsum(sorted_p, 0) - sorted_p
-            drop = order[before >= self.top_p]
-            p[drop] = 0.0
-            p = p / p.sum()
-        return p.numpy()
+            p[order[before >= self.top_p].numpy()] = 0.0
+            p /= p.sum()
+        return p
 
     def logprobs(self, logits: torch.Tensor, history: "History | None", processed: bool) -> torch.Tensor:
         """Log-probabilities over the vocabulary: of the raw logits, or (processed) of the law tokens are
@@ -147,12 +148,40 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return seed if seed is None or index == 0 else mix_seed(seed, index)
 
 
+CDF_BLOCK = 256  # inverse_cdf's two levels: numpy's cumulative sum is sequential, its block sums vectorize
+
+
+def _first_past(weights: np.ndarray, target: float) -> int:
+    """The index whose cumulative weight first exceeds `target`; past the end (rounding), the last of weight > 0."""
+    cdf = np.cumsum(weights)
+    i = int(np.searchsorted(cdf, target, side="right"))
+    return i if i < len(cdf) else int(np.flatnonzero(weights)[-1])
+
+
 def inverse_cdf(weights: np.ndarray, u: float) -> int:
     """The index whose cumulative weight first exceeds u x the total (u uniform in [0, 1)): never one of weight 0,
-    whose cumulative weight equals its predecessor's, even where u x total rounds up to the total."""
-    cdf = np.cumsum(weights)
-    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return i if i < len(cdf) else int(np.flatnonzero(weights)[-1])
+    whose cumulative weight equals its predecessor's, even where u x total rounds up to the total.
+
+    Over a vocabulary, in two levels: the block of CDF_BLOCK weights where the cumulative sum passes u x total
+    (from the blocks' sums), then the index inside it. The same law (up to float rounding at the boundaries)
+    at a fraction of a full cumulative sum's cost."""
+    n = len(weights)
+    if n < 4 * CDF_BLOCK:
+        return _first_past(weights, u * float(np.sum(weights)))
+    full = n // CDF_BLOCK * CDF_BLOCK
+    sums = weights[:full].reshape(-1, CDF_BLOCK).sum(axis=1)
+    if full < n:
+        sums = np.append(sums, weights[full:].sum())
+    return _block_pick(weights, sums, u)
+
+
+def _block_pick(weights: np.ndarray, sums: np.ndarray, u: float) -> int:
+    cum = np.cumsum(sums)
+    target = u * cum[-1]
+    b = int(np.searchsorted(cum, target, side="right"))
+    b = b if b < len(cum) else int(np.flatnonzero(sums)[-1])  # u x total rounded up to the total
+    start = b * CDF_BLOCK
+    return start + _first_past(weights[start:start + CDF_BLOCK], target - (cum[b - 1] if b else 0.0))
 
 
 class Sampler:

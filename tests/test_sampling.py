@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 
 from castspec.config import DecodeConfig
 from castspec.decode import decode
-from castspec.sampling import History, LogitProcessor, Sampler, choice_seed
+from castspec.sampling import History, LogitProcessor, Sampler, choice_seed, inverse_cdf
 from castspec.serving.scheduler import Request, Scheduler, SchedulerConfig
 from castspec.verify import rrs_node
 from conftest import llama_config, make_hf, native, random_drafter
@@ -54,6 +54,23 @@ def test_coupled_draws_follow_the_law_and_depend_on_seed_and_index_only():
         c = Sampler(proc, seed=0)
         c.coin = lambda t, u=u: u
         assert law[c.draw(logits, 0)] > 0
+
+
+def test_inverse_cdf_over_a_vocabulary_picks_what_one_cumulative_sum_picks():
+    # a vocabulary-sized law (not a multiple of the block, whole blocks and scattered tokens of mass 0): the
+    # two-level search lands where one cumulative sum over everything does, and never on a token of mass 0
+    rng = np.random.default_rng(0)
+    w = rng.exponential(size=5000) ** 4
+    w[rng.random(5000) < 0.3] = 0.0
+    w[512:1024] = 0.0
+    w[-300:] = 0.0
+    cdf = np.cumsum(w)
+    for u in [0.0, 1.0 - 2.0 ** -53, *rng.random(3000)]:
+        i = inverse_cdf(w, u)
+        assert w[i] > 0
+        if u < 1 - 1e-9:
+            assert i == int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    assert inverse_cdf(w, 1.0 - 2.0 ** -53) == int(np.flatnonzero(w)[-1])
 
 
 def exact_rrs_law(mu, tokens, q):
