@@ -172,10 +172,6 @@ def inverse_cdf(weights: np.ndarray, u: float) -> int:
     sums = weights[:full].reshape(-1, CDF_BLOCK).sum(axis=1)
     if full < n:
         sums = np.append(sums, weights[full:].sum())
-    return _block_pick(weights, sums, u)
-
-
-def _block_pick(weights: np.ndarray, sums: np.ndarray, u: float) -> int:
     cum = np.cumsum(sums)
     target = u * cum[-1]
     b = int(np.searchsorted(cum, target, side="right"))
