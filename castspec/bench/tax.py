@@ -94,19 +94,18 @@ def measure_tax(engine, prompts: list[list[int]], method: str = "ar", max_tokens
     rows = []
     with LiveServer(app) as url:
         async def http(ids):
+            release_workers()  # this thread's OpenMP workers would slow the server's thread (native/threads.py)
             async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
                 return await server_run(client, ids, max_tokens)
 
         for ids in prompts[:1]:  # warm-up of all three paths (first-use checks, allocator, profiles)
             engine_run(engine, ids, method, max_tokens, engine_width)
             scheduler_run(engine, local, ids, decode_cfg)
-            release_workers()
             asyncio.run(http(ids))
         for rep in range(repeats):
             for i, ids in enumerate(prompts):
                 e = engine_run(engine, ids, method, max_tokens, engine_width)
                 s = scheduler_run(engine, local, ids, decode_cfg)
-                release_workers()  # this thread's OpenMP workers would slow the server's thread (native/threads.py)
                 h = asyncio.run(http(ids))
                 if s["tokens"] != e["tokens"] or h["n_tokens"] != len(e["tokens"]):
                     raise RuntimeError(f"prompt {i}: the three paths committed different tokens")
