@@ -15,7 +15,7 @@ from castspec.prompts import FOLLOW_UPS, FOLLOW_UPS_ANY, Prompt, follow_ups
 from castspec.train.datagen import (DataGenConfig, answered_prompts, batched_generate, encode_prompt, generate_dataset,
     load_records, shard_files)
 from castspec.train.diagnose import diagnose, ngram_baselines
-from castspec.train.replay import committed_per_round, replay_r
+from castspec.train.replay import committed_per_round, replay_r, walk
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
     init_drafter, scale_fc_init, sequence_loss, target_features, target_pass, train)
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
@@ -210,6 +210,8 @@ def test_kl_loss_mixes_linearly_with_cross_entropy_and_trains(tiny_data, tmp_pat
     assert state.history[-1]["loss"] < 0.8 * state.history[0]["loss"]
     with pytest.raises(TrainError, match="kl-weight must be between 0 and 1"):
         train(target, records, tmp_path / "bad", tiny_config(kl_weight=1.5), ROPE, progress=False)
+    with pytest.raises(TrainError, match="gamma must be positive"):
+        train(target, records, tmp_path / "bad", tiny_config(gamma=0.0), ROPE, progress=False)
 
 
 def test_scaled_fc_init_evens_out_feature_sizes(tiny_data):
@@ -261,6 +263,11 @@ def test_replay_round_matches_greedy_walk():
     assert committed_per_round(logprobs, [3, 1, 4, 3], 7, 2) == 1
 
 
+def test_walk_roots_each_round_where_the_last_ended():
+    commits = {10: 3, 13: 1, 14: 2}  # rounds at 11 and 12 would commit 5, but the walk never roots there
+    assert walk(lambda a: commits.get(a, 5), 10, 16) == (6, 3)
+
+
 def test_replay_r_runs_on_a_trained_drafter(tiny_data, tmp_path):
     target, records = tiny_data
     train(target, records, tmp_path, tiny_config(steps=10), ROPE, progress=False)
@@ -272,6 +279,9 @@ def test_replay_r_runs_on_a_trained_drafter(tiny_data, tmp_path):
     acc = r["top1_accuracy_by_position"]
     assert len(acc) == drafter.cfg.num_draft_positions
     assert acc[0] - 1e-9 <= r["chain"]["x"] - 1 <= sum(acc) + 1e-9
+    # the walk roots each round where the last one ended and weighs by rounds: between 1 and the longest round
+    for key in ("chain", "cast@3", "cast@15"):
+        assert 1.0 <= r[f"walk/{key}"]["x"] <= drafter.cfg.num_draft_positions + 1
 
 
 def test_initialization_options_and_warm_start(tiny_data, tmp_path):

@@ -72,7 +72,7 @@ def _train_drafter(args, out: Path, ranks) -> int:
                       checkpoint_every=args.checkpoint_every, export_every=args.export_every,
                       norm_init=args.norm_init, init_from=args.init_from, init_from_target=args.init_from_target,
                       fc_init=args.fc_init, tap_layers=_tap_list(args.taps), context_windows=args.context_window,
-                      kl_weight=args.kl_weight, draft_vocab=args.draft_vocab)
+                      kl_weight=args.kl_weight, draft_vocab=args.draft_vocab, gamma=args.gamma)
     # deferred, as in castspec.models.load: transformers is slow to import and only model loading needs it
     from transformers import AutoConfig
 
@@ -201,6 +201,9 @@ def register(sub) -> None:
     t.add_argument("--kl-weight", type=float, default=0.0, metavar="A",
                    help="loss = (1 - A) x cross-entropy on the target's tokens + A x KL(target || drafter) over "
                         "the whole vocabulary at each block position (0 = cross-entropy only)")
+    t.add_argument("--gamma", type=float, default=7.0,
+                   help="block position k's loss weight is exp(-(k-1)/gamma): smaller puts the drafter's capacity "
+                        "on the first positions, which decide most rounds when few tokens are accepted")
     t.add_argument("--draft-vocab", default=None, metavar="DIR",
                    help="train on the draft vocabulary of this drafter directory (castspec draft-vocab): the loss "
                         "over its tokens only, as decoding scores them; a cheaper step; the exports carry it")

@@ -308,6 +308,8 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
     for r in records[:50]:
         if max(r["prompt_ids"] + r["response_ids"], default=0) >= vocab:
             raise TrainError(f"data token ids exceed the target vocabulary ({vocab}): data made for another target?")
+    if not cfg.gamma > 0:
+        raise TrainError(f"--gamma must be positive, not {cfg.gamma}")
     if not 0.0 <= cfg.kl_weight <= 1.0:
         raise TrainError(f"--kl-weight must be between 0 and 1, not {cfg.kl_weight}")
     ranks = Ranks.current()
