@@ -66,3 +66,9 @@ def test_evaluate_drafter_relates_each_set_to_the_heldout_one(engine, monkeypatc
             report["sets"]["other"][m]["mean_of_domains"] / report["R"][m]["mean_of_domains"])
     only = evaluate_drafter(engine, per_domain=1, max_new_tokens=10, widths=(3,), progress=False)
     assert set(only) == {"per_domain", "max_new_tokens", "dtype", "R"} and only["R"] == report["R"]
+    # sampled: every prompt once per seed, the rounds pooled; the same seeds give the same table
+    sampled = [evaluate_drafter(engine, per_domain=1, max_new_tokens=10, widths=(3,), progress=False,
+                                temperature=1.0, seeds=seeds) for seeds in ((0, 1), (0, 1), (0,))]
+    assert sampled[0]["temperature"] == 1.0 and sampled[0]["seeds"] == [0, 1]
+    assert sampled[0]["R"] == sampled[1]["R"]
+    assert all(1.0 <= v <= 4.0 for t in sampled for per in t["R"].values() for v in per.values())

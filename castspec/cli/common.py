@@ -39,6 +39,14 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "rrs (proposal-aware recursive rejection sampling) or direct")
 
 
+def int_list(flag: str, text: str) -> list[int]:
+    """A comma-separated list of integers from the command line ([] when empty)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
 def parse_width(value: str) -> int | str:
     if value == "auto":
         return value

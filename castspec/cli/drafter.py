@@ -13,7 +13,7 @@ from ..prompts import EVAL_SETS
 from ..train.datagen import load_records, shard_files
 from ..train.diagnose import diagnose
 from ..train.evaluate import evaluate_drafter
-from .common import UserError, print_report, writable_dir
+from .common import UserError, int_list, print_report, writable_dir
 
 
 def cmd_diagnose_drafter(args) -> int:
@@ -58,11 +58,15 @@ def cmd_eval_drafter(args) -> int:
     if unknown or not sets:  # before the model load: a typo should not cost one
         raise UserError(f"--sets: unknown prompt set {unknown[0] if unknown else '(none)'!r}; "
                         f"choose from {', '.join(EVAL_SETS)}")
+    if not args.temperature >= 0:
+        raise UserError(f"--temperature must be 0 or more, not {args.temperature}")
+    seeds = int_list("--seeds", args.seeds)
     engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)
     if engine.drafter is None:
         raise UserError("no drafter to evaluate: pass --drafter DIR")
     report = evaluate_drafter(engine, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
-                              widths=[int(w) for w in args.widths.split(",")], sets=sets)
+                              widths=[int(w) for w in args.widths.split(",")], sets=sets,
+                              temperature=args.temperature, seeds=seeds)
     return print_report(report, args.out)
 
 
@@ -99,5 +103,8 @@ def register(sub) -> None:
     e.add_argument("--sets", default="heldout",
                    help=f"comma-separated prompt sets: {', '.join(EVAL_SETS)} (the others are of kinds no training "
                         "prompt has; each reported per domain and relative to the held-out set)")
+    e.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; above 0, sampled decoding (each prompt once per --seeds)")
+    e.add_argument("--seeds", default="0", help="comma-separated seeds of the sampled runs (with --temperature)")
     e.add_argument("--out", default=None, help="also write the JSON here")
     e.set_defaults(func=cmd_eval_drafter)

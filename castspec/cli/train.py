@@ -16,7 +16,7 @@ from ..train.datagen import (DataGenConfig, answered_prompts, batched_generate, 
 from ..train.distributed import join, launched, launcher_part, leave
 from ..train.replay import replay_r
 from ..train.trainer import TrainConfig, TrainError, train
-from .common import UserError, writable_dir
+from .common import UserError, int_list, writable_dir
 
 
 def cmd_make_data(args) -> int:
@@ -36,6 +36,7 @@ def cmd_train_drafter(args) -> int:
         parse_window_schedule(args.context_window)
     except ValueError as e:
         raise UserError(f"--context-window: {e}") from None
+    int_list("--taps", args.taps)  # bad input should not cost a model load
     if args.generate:
         _part(args.part)
     out = writable_dir(args.out)
@@ -71,8 +72,9 @@ def _train_drafter(args, out: Path, ranks) -> int:
                       mask_token_id=args.mask_token_id, bf16=args.dtype == "bf16",
                       checkpoint_every=args.checkpoint_every, export_every=args.export_every,
                       norm_init=args.norm_init, init_from=args.init_from, init_from_target=args.init_from_target,
-                      fc_init=args.fc_init, tap_layers=_tap_list(args.taps), context_windows=args.context_window,
-                      kl_weight=args.kl_weight, draft_vocab=args.draft_vocab, gamma=args.gamma)
+                      fc_init=args.fc_init, tap_layers=int_list("--taps", args.taps),
+                      context_windows=args.context_window, kl_weight=args.kl_weight, draft_vocab=args.draft_vocab,
+                      gamma=args.gamma)
     # deferred, as in castspec.models.load: transformers is slow to import and only model loading needs it
     from transformers import AutoConfig
 
@@ -156,11 +158,6 @@ def _part(text: str | None) -> tuple[int, int]:
     return i, n
 
 
-def _tap_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")] if text.strip() else []
-    except ValueError:
-        raise UserError(f"--taps must be comma-separated layer numbers, got {text!r}") from None
 
 
 def register(sub) -> None:

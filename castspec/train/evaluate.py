@@ -3,6 +3,7 @@ on prompt sets of other kinds (prompts.EVAL_SETS), each also relative to the hel
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import product
 
 from tqdm import tqdm
 
@@ -22,15 +23,17 @@ def request_of(engine, prompt: Prompt, max_new_tokens: int) -> dict:
     return {"messages": messages + [{"role": "user", "content": prompt.text}]}
 
 
-def r_per_domain(engine, prompts: list[Prompt], max_new_tokens: int, widths, progress: bool, desc: str) -> dict:
-    """{method: {domain: R, "mean_of_domains": R}} over `prompts`."""
+def r_per_domain(engine, prompts: list[Prompt], max_new_tokens: int, widths, progress: bool, desc: str,
+                 temperature: float = 0.0, seeds=(None,)) -> dict:
+    """{method: {domain: R, "mean_of_domains": R}} over `prompts` (at T > 0, once per seed, rounds pooled)."""
     methods = [("chain", None)] + [("cast", w) for w in widths]
     rounds = defaultdict(lambda: defaultdict(int))  # method -> domain -> rounds
     tokens = defaultdict(lambda: defaultdict(int))
     for p in tqdm(prompts, desc=desc, disable=not progress):
         request = request_of(engine, p, max_new_tokens)
-        for method, width in methods:
-            r = engine.generate(**request, method=method, width=width or "auto", max_new_tokens=max_new_tokens)
+        for (method, width), seed in product(methods, seeds):
+            r = engine.generate(**request, method=method, width=width or "auto", max_new_tokens=max_new_tokens,
+                                temperature=temperature, seed=seed)
             key = method if width is None else f"cast@{width}"
             # R counts every committed token of every round, the target's own included
             rounds[key][p.domain] += r.stats.num_rounds
@@ -44,12 +47,17 @@ def r_per_domain(engine, prompts: list[Prompt], max_new_tokens: int, widths, pro
 
 
 def evaluate_drafter(engine, per_domain: int = 10, max_new_tokens: int = 128, widths=(15, 31, 63),
-                     progress: bool = True, sets=("heldout",)) -> dict:
+                     progress: bool = True, sets=("heldout",), temperature: float = 0.0, seeds=(0,)) -> dict:
     """R per set (`per_domain` prompts per domain of the held-out split; as many prompts in every other set).
     "R" is the held-out table; "sets" has every set's, and "relative_to_heldout" each other set's mean of
-    domains over the held-out one's, per method."""
+    domains over the held-out one's, per method. At `temperature` > 0 every prompt is decoded once per seed
+    (sampled decoding accepts by the drafter's whole distribution, not its top-1 alone)."""
     report = {"per_domain": per_domain, "max_new_tokens": max_new_tokens, "dtype": engine.dtype_reason}
-    tables = {name: r_per_domain(engine, eval_prompts(name, per_domain), max_new_tokens, widths, progress, name)
+    if temperature > 0:
+        report.update(temperature=temperature, seeds=list(seeds))
+    run_seeds = tuple(seeds) if temperature > 0 else (None,)
+    tables = {name: r_per_domain(engine, eval_prompts(name, per_domain), max_new_tokens, widths, progress, name,
+                                 temperature, run_seeds)
               for name in sets}
     if "heldout" in tables:
         report["R"] = tables["heldout"]
