@@ -26,6 +26,10 @@ DATA5F=${DATA5F:-data/smollm2-bf16-followup-s3}
 RUN5=${RUN5:-runs/drafter-smollm2-v9}
 STEPS5=${STEPS5:-1100}
 STOP5=${STOP5:-1100}
+# leg 6 (v11): no new data: legs 1, 3 and 5's datasets together, the loss weighted toward the first block
+# positions (--gamma 3: where a drafter accepted ~2 tokens a round decides its rounds), a short cycle from v9
+RUN6=${RUN6:-runs/drafter-smollm2-v11}
+STEPS6=${STEPS6:-600}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -65,7 +69,11 @@ $CLI train-drafter --data "$DATA3,$DATA4" --out "$RUN4" --layers 2 --seqs-per-st
 $CLI train-drafter --data "$DATA5,$DATA5F" --out "$RUN5" --layers 2 --seqs-per-step 4 --anchors 64 --lr 3e-4 \
     --norm-init ones --init-from "$RUN4/drafter" --draft-vocab "$RUN4/drafter" --steps "$STEPS5" --stop-after "$STOP5" \
     --checkpoint-every 25 --export-every 250 --eval-per-domain 4
-# 7. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 7. leg 6: warm start from v9 on four datasets together, the early positions weighed more
+$CLI train-drafter --data "$DATA5,$DATA5F,$DATA,$DATA3" --out "$RUN6" --layers 2 --seqs-per-step 4 --anchors 64 \
+    --lr 2e-4 --gamma 3 --norm-init ones --init-from "$RUN5/drafter" --draft-vocab "$RUN5/drafter" --steps "$STEPS6" \
+    --checkpoint-every 25 --export-every 200 --eval-per-domain 4
+# 8. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN5/drafter/config.json" "$RUN5/drafter/model.safetensors" "$RUN5/drafter/draft_vocab.safetensors" \
+cp "$RUN6/drafter/config.json" "$RUN6/drafter/model.safetensors" "$RUN6/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
