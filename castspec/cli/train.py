@@ -158,8 +158,6 @@ def _part(text: str | None) -> tuple[int, int]:
     return i, n
 
 
-
-
 def register(sub) -> None:
     p = sub.add_parser("make-data", help="generate drafter training data with the target (resumable)",
                        description="Prompts from offline sources -> the target's own responses, sharded.")

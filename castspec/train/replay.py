@@ -103,13 +103,13 @@ def replay_r(target: Decoder, drafter: DFlashDrafter, records: list[dict], width
             walked[key][dom][1] += rounds
     out = {}
     for key, per in sums.items():
-        vals_ = {d: per[d] / counts[d] for d in per}
-        vals_["mean_of_domains"] = sum(vals_.values()) / len(vals_)
-        out[key] = vals_
+        by_domain = {d: per[d] / counts[d] for d in per}
+        by_domain["mean_of_domains"] = sum(by_domain.values()) / len(by_domain)
+        out[key] = by_domain
     for key, per in walked.items():
-        vals_ = {d: tok / rounds for d, (tok, rounds) in per.items()}
-        vals_["mean_of_domains"] = sum(vals_.values()) / len(vals_)
-        out[f"walk/{key}"] = vals_
+        by_domain = {d: tok / rounds for d, (tok, rounds) in per.items()}
+        by_domain["mean_of_domains"] = sum(by_domain.values()) / len(by_domain)
+        out[f"walk/{key}"] = by_domain
     # where a drafter stands before any tree: position 1 should be far above the unigram rate, and above the
     # data's bigram rate (~0.3 on SmolLM2's greedy responses), which the anchor token alone would give
     out["top1_accuracy_by_position"] = (hits / seen.clamp_min(1)).tolist()
