@@ -93,6 +93,7 @@ def test_help_for_every_subcommand():
     (["eval-drafter", "--drafter", "{root}/missing", "--sets", "heldout,mmlu"], "unknown prompt set 'mmlu'"),
     (["eval-drafter", "--drafter", "{root}/missing", "--temperature", "-1"], "--temperature must be 0 or more"),
     (["eval-drafter", "--drafter", "{root}/missing", "--seeds", "0,x"], "--seeds must be comma-separated"),
+    (["eval-drafter", "--drafter", "{root}/missing", "--widths", "15,wide"], "--widths must be comma-separated"),
     (["train-drafter", "--data", "{root}/missing", "--out", "{root}/run", "--taps", "1,a"],
      "--taps must be comma-separated"),
     (["train-drafter", "--data", "{root}/missing", "--out", "{root}/run", "--context-window", "8"],

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from ..bench.harness import BenchConfig, MethodSpec, builtin_prompts, file_prompts, markdown, plots, run_bench
-from .common import UserError, add_model_args, load_engine
+from .common import UserError, add_model_args, int_list, load_engine
 
 
 def cmd_bench(args) -> int:
@@ -14,7 +14,7 @@ def cmd_bench(args) -> int:
         if args.sweep:
             methods += [MethodSpec("cast", int(w)) for w in args.sweep.split(",")]
         max_new = parse_max_new(args.max_new_tokens)
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
+        seeds = int_list("--seeds", args.seeds) or [None]
     except ValueError as e:
         raise UserError(str(e)) from None
     if args.temperature > 0 and seeds == [None]:

@@ -60,13 +60,12 @@ def cmd_eval_drafter(args) -> int:
                         f"choose from {', '.join(EVAL_SETS)}")
     if not args.temperature >= 0:
         raise UserError(f"--temperature must be 0 or more, not {args.temperature}")
-    seeds = int_list("--seeds", args.seeds)
+    seeds, widths = int_list("--seeds", args.seeds), int_list("--widths", args.widths)
     engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)
     if engine.drafter is None:
         raise UserError("no drafter to evaluate: pass --drafter DIR")
     report = evaluate_drafter(engine, per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
-                              widths=[int(w) for w in args.widths.split(",")], sets=sets,
-                              temperature=args.temperature, seeds=seeds)
+                              widths=widths, sets=sets, temperature=args.temperature, seeds=seeds)
     return print_report(report, args.out)
 
 

@@ -8,6 +8,7 @@ real round would commit there. Real decoding (`eval-drafter`) measures the same 
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import cache
 
 import torch
 
@@ -83,6 +84,7 @@ def replay_r(target: Decoder, drafter: DFlashDrafter, records: list[dict], width
         vals, ids, pred = (torch.cat(x) for x in zip(*parts))  # row i: the round rooted at P + i
         dom = rec.get("domain", "all")
 
+        @cache  # the walk's roots are partly the stride's
         def commit(a: int, width: int | None) -> int:
             truth = tokens[a + 1:a + 1 + L + 1].tolist()
             depth = min(L, len(truth) - 1)
