@@ -302,9 +302,16 @@ def test_initialization_options_and_warm_start(tiny_data, tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k])
     start = str(tmp_path / "a" / "drafter")
-    with pytest.raises(TrainError, match="cannot warm-start"):
-        train(target, records, tmp_path / "c", tiny_config(steps=1, block_size=5, init_from=start), ROPE,
+    with pytest.raises(TrainError, match="cannot warm-start"):  # other taps: fc does not fit
+        train(target, records, tmp_path / "c", tiny_config(steps=1, num_taps=3, init_from=start), ROPE,
               progress=False)
+    # another block size: the same weights (a block is the root and its mask rows, none has weights of its own)
+    train(target, records, tmp_path / "k", tiny_config(steps=1, lr=0.0, block_size=5, init_from=start), ROPE,
+          progress=False)
+    k = load_drafter(tmp_path / "k" / "drafter", target, dtype=torch.float32)
+    assert k.cfg.block_size == 5 and k.cfg.num_draft_positions == 4
+    for key in a:
+        torch.testing.assert_close(a[key], k.state_dict()[key])
     with pytest.raises(TrainError, match="cannot warm-start"):  # fewer layers than the start: nothing to grow
         train(target, records, tmp_path / "c", tiny_config(steps=1, num_layers=1, init_from=start), ROPE,
               progress=False)

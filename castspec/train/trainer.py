@@ -150,17 +150,20 @@ def warm_start(drafter: DFlashDrafter, path: Path) -> None:
     """Copy the weights of an existing drafter with the same configuration (fine-tuning on new data), or with the
     same but fewer layers (growing it): those become its first layers, and every new layer starts with its
     attention and MLP output projections at zero, so that the grown drafter computes exactly what the old one did
-    (each new layer adds nothing to the residual stream) until training moves them."""
+    (each new layer adds nothing to the residual stream) until training moves them. The block size may differ
+    too (no weight depends on it: a block is the root and L mask rows), which starts a drafter of another block
+    size from one trained on blocks of this one."""
     try:
         other = DrafterConfig.from_json(json.loads((path / "config.json").read_text()))
         weights = load_file(path / "model.safetensors")
     except Exception as e:
         raise TrainError(f"cannot warm-start from {path}: {type(e).__name__}: {e}") from None
+    other = replace(other, block_size=drafter.cfg.block_size)
     grows = (other.num_layers < drafter.cfg.num_layers
              and replace(other, num_layers=drafter.cfg.num_layers).to_json() == drafter.cfg.to_json())
     if other.to_json() != drafter.cfg.to_json() and not grows:
         raise TrainError(f"cannot warm-start from {path}: its configuration differs from this run's"
-                         " (other than by having fewer layers)")
+                         " (other than by having fewer layers or another block size)")
     with torch.no_grad():
         missing, unexpected = drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=not grows)
         new = tuple(f"layers.{i}." for i in range(other.num_layers, drafter.cfg.num_layers))
