@@ -56,7 +56,8 @@ def test_r_per_domain_counts_every_committed_token(engine):
 
 
 def test_evaluate_drafter_relates_each_set_to_the_heldout_one(engine, monkeypatch):
-    fake = {"heldout": [Prompt("code", "t", "w4 w9", "a")], "other": [Prompt("chat", "t", "w2 w2", "b")]}
+    fake = {"heldout": [Prompt("code", "t", "w4 w9", "a"), Prompt("chat", "t", "w3 w5", "c")],
+            "other": [Prompt("chat", "t", "w2 w2", "b")]}
     monkeypatch.setattr("castspec.train.evaluate.eval_prompts", lambda name, per_domain: fake[name])
     report = evaluate_drafter(engine, per_domain=1, max_new_tokens=10, widths=(3,), progress=False,
                               sets=("heldout", "other"))
@@ -64,6 +65,9 @@ def test_evaluate_drafter_relates_each_set_to_the_heldout_one(engine, monkeypatc
     for m in ("chain", "cast@3"):
         assert report["relative_to_heldout"]["other"][m] == pytest.approx(
             report["sets"]["other"][m]["mean_of_domains"] / report["R"][m]["mean_of_domains"])
+        # like against like: the other set's chat over the held-out chat (the held-out code has no counterpart)
+        assert report["relative_to_heldout_by_domain"]["other"][m] == {
+            "chat": pytest.approx(report["sets"]["other"][m]["chat"] / report["R"][m]["chat"])}
     only = evaluate_drafter(engine, per_domain=1, max_new_tokens=10, widths=(3,), progress=False)
     assert set(only) == {"per_domain", "max_new_tokens", "dtype", "R"} and only["R"] == report["R"]
     # sampled: every prompt once per seed, the rounds pooled; the same seeds give the same table

@@ -101,7 +101,7 @@ def register(sub) -> None:
     e.add_argument("--widths", default="15,31,63")
     e.add_argument("--sets", default="heldout",
                    help=f"comma-separated prompt sets: {', '.join(EVAL_SETS)} (the others are of kinds no training "
-                        "prompt has; each reported per domain and relative to the held-out set)")
+                        "prompt has; each reported per domain and relative to the held-out set, overall and domain by domain)")
     e.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy; above 0, sampled decoding (each prompt once per --seeds)")
     e.add_argument("--seeds", default="0", help="comma-separated seeds of the sampled runs (with --temperature)")
