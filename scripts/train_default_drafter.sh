@@ -30,6 +30,11 @@ STOP5=${STOP5:-1100}
 # positions (--gamma 3: where a drafter accepted ~2 tokens a round decides its rounds), a short cycle from v9
 RUN6=${RUN6:-runs/drafter-smollm2-v11}
 STEPS6=${STEPS6:-600}
+# leg 7 (v12): blocks of 8 (7 drafted positions) in place of 16: at the ~2 tokens a round these drafters commit,
+# positions 8-15 almost never count, and half the block rows halve the drafter pass (docs/training.md); all five
+# datasets, twice the anchors per sequence (the same block rows per step)
+RUN7=${RUN7:-runs/drafter-smollm2-v12}
+STEPS7=${STEPS7:-1500}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -73,7 +78,11 @@ $CLI train-drafter --data "$DATA5,$DATA5F" --out "$RUN5" --layers 2 --seqs-per-s
 $CLI train-drafter --data "$DATA5,$DATA5F,$DATA,$DATA3" --out "$RUN6" --layers 2 --seqs-per-step 4 --anchors 64 \
     --lr 2e-4 --gamma 3 --norm-init ones --init-from "$RUN5/drafter" --draft-vocab "$RUN5/drafter" --steps "$STEPS6" \
     --checkpoint-every 25 --export-every 200 --eval-per-domain 4
-# 8. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 8. leg 7: warm start from v11 at block size 8 on all five datasets
+$CLI train-drafter --data "$DATA5,$DATA5F,$DATA,$DATA3,$DATA4" --out "$RUN7" --layers 2 --block-size 8 \
+    --seqs-per-step 4 --anchors 128 --lr 2e-4 --gamma 3 --norm-init ones --init-from "$RUN6/drafter" \
+    --draft-vocab "$RUN6/drafter" --steps "$STEPS7" --checkpoint-every 25 --export-every 250 --eval-per-domain 4
+# 9. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN6/drafter/config.json" "$RUN6/drafter/model.safetensors" "$RUN6/drafter/draft_vocab.safetensors" \
+cp "$RUN7/drafter/config.json" "$RUN7/drafter/model.safetensors" "$RUN7/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
