@@ -19,6 +19,7 @@ from .models.dflash import DFlashDrafter
 from .models.load import LoadError, load_drafter, load_target
 from .native import build as native
 from .probe import QUICK_PACKED, engine_key, probe
+from .round import warm_up
 from .sampling import TokenLogprob
 from .serving.scheduler import Scheduler, SchedulerConfig
 
@@ -96,6 +97,8 @@ class Engine:
         self.dtype_reason = dtype_reason
         # which exactness this deployment's forwards give ("bit-exact" or "near-ties") and why
         self.exactness, self.exactness_reason = forward_guarantee(target)
+        if drafter is not None:
+            warm_up(target, drafter)  # builds the drafter's native code too, before a first request or a probe
         self.source = source  # the directory the target's weights came from
         self.drafter_source = drafter_source
         self._profile: CostProfile | None = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocate import Policy
+from .config import DecodeConfig
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .models.kvcache import Segment
@@ -248,3 +249,16 @@ def commit(seqs: list[Sequence], rows: Rows, logits: torch.Tensor, feats: torch.
             s.done = True
             o.error = e
         lrow += part.logit_rows
+
+
+def warm_up(target: Decoder, drafter: DFlashDrafter | None) -> None:
+    """A scratch round on a few tokens, and a drafter pass where there is a drafter, on caches of their own:
+    what the first request of this thread would otherwise pay once (the drafter's native code built, this
+    thread's OpenMP workers started; the first drafter pass costs tens of times a later one)."""
+    with torch.inference_mode():
+        seq = Sequence(target, drafter, [0] * 8, DecodeConfig(method="cast" if drafter else "ar", max_new_tokens=2),
+                       1)
+        run_round(target, drafter, [seq], None, prefill_budget=8)
+        if drafter is not None:
+            propose_batch(target, drafter, [seq.draft], [seq.root], [1])
+    synchronize(target.device)

@@ -84,9 +84,11 @@ def _tables(rope, keep: _Kept) -> tuple[int, int]:
     return tuple(keep(t.float().contiguous()) for t in (rope.cos, rope.sin))
 
 
-# The most rows one native target call takes: a longer forward (a prompt chunk, a large serving batch) runs as
-# consecutive calls of at most this many rows, since attention's scratch grows with rows times the cache length.
-CHUNK = 64
+# The most rows one native target call takes: a longer forward runs as consecutive calls of at most this many
+# rows, since a call's scratch grows with its rows (and masked rows' key lists with rows times the cache length).
+# Every call streams all the weights once, so a serving round (the prefill budget, 512 rows by default, plus the
+# running requests' trees) should fit in one: at 64 rows a 512-row prompt chunk read them eight times.
+CHUNK = 1024
 
 
 def max_rows(dtype: torch.dtype) -> int | None:

@@ -26,7 +26,7 @@ from ..allocate import PolicySpec, make_policy
 from ..config import DecodeConfig
 from ..cost import CostProfile
 from ..native.threads import release_workers
-from ..round import run_round
+from ..round import run_round, warm_up
 from ..sequence import Sequence, check_request
 
 log = logging.getLogger("castspec.scheduler")
@@ -293,6 +293,7 @@ class Scheduler:
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop` is set; sleeps while idle, its OpenMP workers handed back (native/threads.py: the
         pool of a thread that is not computing would slow down the thread that is)."""
+        warm_up(self.target, self.drafter)  # this thread's one-time costs, before the first request pays them
         idle = False
         while not stop.is_set():
             if self.step():

@@ -31,7 +31,7 @@ const int64_t castspec_sizeof_DraftModel = sizeof(DraftModel), castspec_sizeof_D
 typedef struct {
     RowAttn *see;                                            /* [T] */
     float *x, *ctx, *n, *proj, *act, *heads_out, *probs;      /* [rows, H] x3, [rows, wide] [rows, F]
-                                                                [rows, nq] [T, heads, S16] */
+                                                                [rows, nq] ATTN_PROBS */
     void *xs;                                                /* the bf16 products' inputs */
 } DraftScratch;
 
@@ -49,7 +49,7 @@ static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16,
     s->proj = take(a, f * rows * wide);
     s->act = take(a, f * rows * F);
     s->heads_out = take(a, f * rows * nq);
-    s->probs = take(a, f * T * m->heads * S16);
+    s->probs = take(a, f * ATTN_PROBS(m, S16));
     s->xs = take(a, esz * io);
 }
 

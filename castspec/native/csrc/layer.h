@@ -340,9 +340,13 @@ static int arena_open(Arena *a) {
  * take from one allocation: 0, or -1 when out of memory. Free arena.base when done. */
 #define ARENA_LAYOUT(arena, layout) ((layout), arena_open(&(arena)) ? -1 : ((layout), 0))
 
+/* The floats of attention()'s probs scratch: a group of heads' scores per thread. */
+#define ATTN_PROBS(m, S16) ((int64_t)omp_get_max_threads() * ((m)->heads / (m)->kv_heads) * (S16))
+
 /* Attention of M rows' query heads (row r's at q + r * ldq), each over its own RowAttn; then the output
- * projection and the residual into x [M, hidden]. probs is scratch of M * heads * S16 floats (S16: the largest
- * n rounded up to 16), heads_out of M * heads * head_dim. */
+ * projection and the residual into x [M, hidden]. probs is scratch of ATTN_PROBS(m, S16) floats (S16: the
+ * largest n rounded up to 16): one block per thread, so that it does not grow with M; heads_out of M * heads *
+ * head_dim. */
 static void attention(const StepModel *m, const Layer *L, int M, const float *q, int64_t ldq, const RowAttn *rows,
                       int S16, float *probs, float *heads_out, float *x, void *xs, float *att) {
     const int d = m->head_dim, nh = m->heads, nq = nh * d, group = nh / m->kv_heads;
@@ -357,7 +361,7 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
         const int r = it % M, h = (it / M) * G;
         const RowAttn *a = &rows[r];
         attend_heads(q + r * ldq + h * d, G, a->K + (h / group) * a->head_stride, a->V + (h / group) * a->head_stride,
-                     a->n, a->keys, d, scale, probs + ((int64_t)r * nh + h) * S16, S16,
+                     a->n, a->keys, d, scale, probs + (int64_t)omp_get_thread_num() * group * S16, S16,
                      heads_out + (int64_t)r * nq + h * d);
     }
     linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, att);

@@ -40,7 +40,7 @@ typedef struct {
     RowAttn *see;                                       /* [M] */
     int32_t *keys, *nkeys;                              /* [M, Smax] [M]: masked rows' visible slots, counts */
     float *x, *n, *proj, *att, *act, *heads_out, *probs; /* [M, H] [M, H] [M, wide] [M, H] [M, F] [M, nq]
-                                                           [M, heads, S16] */
+                                                           ATTN_PROBS */
     void *xs;                                           /* the bf16 products' inputs */
 } StepScratch;
 
@@ -58,7 +58,7 @@ static void step_scratch(Arena *a, const StepModel *m, int M, int R, int Smax, i
     s->att = take(a, f * M * H);
     s->act = take(a, f * M * F);
     s->heads_out = take(a, f * M * nq);
-    s->probs = take(a, f * M * m->heads * S16);
+    s->probs = take(a, f * ATTN_PROBS(m, S16));
     s->xs = take(a, esz * io); /* R rows: the final norm's */
 }
 
