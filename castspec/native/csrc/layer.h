@@ -81,6 +81,12 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
     }
 }
 
+/* Loops over a forward's rows whose rows are independent (norms, activations, residuals): on every thread for
+ * a long forward (a prompt chunk), where they would otherwise run on one core while the others wait; each row's
+ * arithmetic is the same either way. */
+#define ROWS_PARALLEL_MIN 64
+#define FOR_ROWS _Pragma("omp parallel for schedule(static) if (M >= ROWS_PARALLEL_MIN)")
+
 /* The rows a bf16 product's input scratch holds for M rows: whole groups of 16 (gemm.c's AMX tiles read them). */
 #define GEMM_ROWS(M) (((int64_t)(M) + 15) / 16 * 16)
 
@@ -90,13 +96,15 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
 static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
                    uint16_t *xs, float *Y) {
     if (m->bf16) {
-        to_model(X, xs, (int64_t)M * I);
+        FOR_ROWS
+        for (int r = 0; r < M; ++r) to_model(X + (int64_t)r * I, xs + (int64_t)r * I, I);
         if (gemm_amx_on()) memset(xs + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
         gemm_bf16_f32(W, xs, Y, M, O, I, I, O);
     } else {
         gemm_f32(W, X, Y, M, O, I, I, O);
     }
     if (b)
+        FOR_ROWS
         for (int r = 0; r < M; ++r)
             for (int o = 0; o < O; o += 16) {
                 const __mmask16 k = lanes(O, o);
@@ -365,7 +373,8 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
                      heads_out + (int64_t)r * nq + h * d);
     }
     linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, att);
-    add_to(x, att, (int64_t)M * m->hidden);
+    FOR_ROWS
+    for (int r = 0; r < M; ++r) add_to(x + (int64_t)r * m->hidden, att + (int64_t)r * m->hidden, m->hidden);
 }
 
 /* x += down(silu(gate) * up) of the post-attention-normed rows. n, gu [M, 2 * inter], act [M, inter], att
@@ -373,8 +382,10 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
 static void mlp(const StepModel *m, const Layer *L, int M, float *x, float *n, float *gu, float *act, void *xs,
                 float *att) {
     const int H = m->hidden, F = m->inter;
-    for (int r = 0; r < M; ++r) rms_norm(m, x + r * H, L->mlp_norm, H, n + r * H);
+    FOR_ROWS
+    for (int r = 0; r < M; ++r) rms_norm(m, x + (int64_t)r * H, L->mlp_norm, H, n + (int64_t)r * H);
     linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, gu); /* per row: gate | up */
+    FOR_ROWS
     for (int r = 0; r < M; ++r) /* silu(gate) * up */
         for (int i = 0; i < F; i += 16) {
             const __mmask16 k = lanes(F, i);
@@ -385,7 +396,8 @@ static void mlp(const StepModel *m, const Layer *L, int M, float *x, float *n, f
             _mm512_mask_storeu_ps(act + (int64_t)r * F + i, k, _mm512_mul_ps(silu, u));
         }
     linear(m, L->down_w, L->down_b, act, M, H, F, xs, att);
-    add_to(x, att, (int64_t)M * H);
+    FOR_ROWS
+    for (int r = 0; r < M; ++r) add_to(x + (int64_t)r * H, att + (int64_t)r * H, H);
 }
 
 #endif
