@@ -57,9 +57,11 @@ class CostProfile:
     host_ms: dict[str, float] = field(default_factory=dict)  # str(N) -> tree + pack + walk + gather
     # batched shapes (serving): str(B) -> {"packed": total packed tokens, "verify_ms": [...], "draft_ms": float}
     batch: dict[str, dict] = field(default_factory=dict)
+    prefill_ms: list[float] = field(default_factory=list)  # [prefix] a prompt of that many tokens in one round
     # the physical floor under each measured time (castspec/floor.py), from rates measured in the probe's own run:
     # read_gbps, gemm_gflops, verify_floor_ms [prefix][n], verify_ratio (measured / floor, same shape),
-    # draft_floor_ms and draft_ratio [prefix] (None without a drafter); batched entries carry theirs. None in
+    # draft_floor_ms and draft_ratio [prefix] (None without a drafter), prefill_floor_ms and prefill_ratio
+    # [prefix] (absent from profiles without prefill_ms); batched entries carry theirs. None in
     # profiles written before floors were measured.
     floor: dict | None = None
 

@@ -128,6 +128,19 @@ def verify_cost(target, rows: int, prefix: int, batch: int = 1) -> Cost:
     return Cost(nbytes, flops)
 
 
+def prefill_cost(target, rows: int) -> Cost:
+    """A prompt of `rows` tokens read in one forward from an empty cache, as a round prefills it: every layer's
+    matrices read once and multiplied by every row, the lm_head by the last row only (its logits give the first
+    token), causal attention (row i over i + 1 keys), and the cache written once."""
+    layer_mats = _matrices(target.model.layers)
+    head = target.head_weight
+    nbytes = (sum(w.numel() * w.element_size() for w in [*layer_mats, head])
+              + _kv_bytes(target.cfg, target.device, target.dtype, rows))
+    flops = (2 * sum(w.numel() for w in layer_mats) * rows + 2 * head.numel()
+             + _attention_flops(target.cfg, 1, rows * (rows + 1) // 2))
+    return Cost(nbytes, flops)
+
+
 def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0) -> Cost:
     """One drafter pass of `batch` requests, as `propose_batch` runs it: each request's `ctx_rows` new context rows
     fused (fc) and projected to keys and values in every layer, its block of block_size rows through every layer

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from .config import DecodeConfig
 from .cost import CostProfile, profile_key
-from .floor import Floors, draft_cost, verify_cost
+from .floor import Floors, draft_cost, prefill_cost, verify_cost
 from .native import build as native
 from .native import forward as native_step
 from .native.linear import packing_available
@@ -112,13 +112,20 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
     device = target.device
     V = target.cfg.vocab_size
     L, g, logprobs = _draft_shape(drafter, V, seed)
-    verify_ms, draft_ms = [], []
+    verify_ms, draft_ms, prefill_ms = [], [], []
     bar = tqdm(total=len(prefix_lens) * (len(packed) + 1), desc="probe", disable=not progress)
     with torch.inference_mode():
         floors = Floors.measure(device, target.dtype)
         for P in prefix_lens:
             prompt = torch.randint(0, V, (P,), generator=g).tolist()
-            seq = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), max(packed))
+            cfg = DecodeConfig(method="cast", max_new_tokens=2)
+
+            def prefill():  # the prompt in one round, as a request's first round reads it
+                run_round(target, drafter, [Sequence(target, drafter, prompt, cfg, max(packed))], None,
+                          prefill_budget=P)
+
+            prefill_ms.append(_median_ms(prefill, reps, warmup, device))
+            seq = Sequence(target, drafter, prompt, cfg, max(packed))
             run_round(target, drafter, [seq], None, prefill_budget=P)
             row = []
             for n in packed:
@@ -149,7 +156,8 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             host[str(width)] = _median_ms(host_work, reps, warmup, device)
         floors = floors.best(Floors.measure(device, target.dtype))  # read again after the timings: the better
     bar.close()
-    profile = CostProfile(engine_key(engine), list(packed), list(prefix_lens), verify_ms, draft_ms, host)
+    profile = CostProfile(engine_key(engine), list(packed), list(prefix_lens), verify_ms, draft_ms, host,
+                          prefill_ms=prefill_ms)
     profile.floor = _floor_fields(engine, floors, profile)
     return profile
 
@@ -160,9 +168,11 @@ def _floor_fields(engine, floors: Floors, profile: CostProfile) -> dict:
     verify_floor = [[verify_cost(target, n, P).floor_ms(floors) for n in profile.packed] for P in profile.prefix_lens]
     draft_floor = [draft_cost(drafter, target, P, ctx_rows=DRAFT_KEEP).floor_ms(floors) if drafter else None
                    for P in profile.prefix_lens]
+    prefill_floor = [prefill_cost(target, P).floor_ms(floors) for P in profile.prefix_lens]
     return {"read_gbps": floors.read_gbps, "gemm_gflops": floors.gemm_gflops, "verify_floor_ms": verify_floor,
             "verify_ratio": [_ratios(m, f) for m, f in zip(profile.verify_ms, verify_floor)],
-            "draft_floor_ms": draft_floor, "draft_ratio": _ratios(profile.draft_ms, draft_floor)}
+            "draft_floor_ms": draft_floor, "draft_ratio": _ratios(profile.draft_ms, draft_floor),
+            "prefill_floor_ms": prefill_floor, "prefill_ratio": _ratios(profile.prefill_ms, prefill_floor)}
 
 
 def _ratios(measured: list[float], floors: list[float | None]) -> list[float | None]:

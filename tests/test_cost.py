@@ -14,7 +14,7 @@ from castspec.cost import Calibration, CostProfile, RoundWidth, throughput, widt
 from castspec.decode import DecodeStats, decode
 from castspec.engine import Engine
 from castspec.cli.probe import floor_table
-from castspec.floor import Floors, draft_cost, verify_cost
+from castspec.floor import Floors, draft_cost, prefill_cost, verify_cost
 from castspec.probe import DRAFT_KEEP, plot_profile, probe, probe_batch
 from conftest import llama_config, make_hf, native, random_drafter
 
@@ -210,6 +210,9 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
         assert fl["verify_ratio"][i] == pytest.approx([m / f for m, f in pairs])
         assert fl["draft_floor_ms"][i] == draft_cost(drafter, target, P, ctx_rows=DRAFT_KEEP).floor_ms(floors) > 0
         assert fl["draft_ratio"][i] == pytest.approx(prof.draft_ms[i] / fl["draft_floor_ms"][i])
+        # a prompt of P tokens read in one round, with its floor
+        assert prof.prefill_ms[i] > 0 and fl["prefill_floor_ms"][i] == prefill_cost(target, P).floor_ms(floors)
+        assert fl["prefill_ratio"][i] == pytest.approx(prof.prefill_ms[i] / fl["prefill_floor_ms"][i])
     assert all(f > 0 for row in fl["verify_floor_ms"] for f in row)
     probe_batch(engine, prof, batch_sizes=(2, 3), per_request=(1, 4), prefix=8, reps=1, warmup=0, progress=False)
     assert prof.batch["3"]["packed"] == [3, 12] and all(v > 0 for v in prof.batch["3"]["verify_ms"])
@@ -218,7 +221,7 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     assert entry["verify_floor_ms"] == [verify_cost(target, n, 8, 3).floor_ms(floors) for n in (1, 4)]
     assert entry["verify_ratio"] == pytest.approx([m / f for m, f in zip(entry["verify_ms"], entry["verify_floor_ms"])])
     assert entry["draft_ratio"] == pytest.approx(entry["draft_ms"] / entry["draft_floor_ms"])
-    assert "batch 3 verify 12" in floor_table(prof)
+    assert "batch 3 verify 12" in floor_table(prof) and "prompt of 32" in floor_table(prof)
     plot_profile(prof, tmp_path / "p.png")  # draws the floors too
     assert (tmp_path / "p.png").stat().st_size > 0
     # batched costs interpolate between probed batch sizes; B = 1 is the single-request curve

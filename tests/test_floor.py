@@ -3,7 +3,7 @@ the floor as the larger of its two terms."""
 import pytest
 import torch
 
-from castspec.floor import Cost, Floors, draft_cost, verify_cost
+from castspec.floor import Cost, Floors, draft_cost, prefill_cost, verify_cost
 from conftest import llama_config, make_hf, native, qwen3_config, random_drafter
 
 
@@ -25,6 +25,21 @@ def test_verify_cost_is_the_hand_count_from_the_config(config, dtype):
     # one request's cache and rows: the weights are read once whatever the batch
     single = verify_cost(target, rows, prefix)
     assert cost.nbytes - single.nbytes == 2 * layers * 2 * kv * d * (prefix + rows) * kv_item
+
+
+def test_prefill_cost_is_the_hand_count_from_the_config():
+    config = llama_config(vocab=24)
+    target = native(make_hf(config))
+    H, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    d = H // heads
+    layer_params = layers * (H * heads * d + 2 * H * kv * d + heads * d * H + 3 * H * inter)
+    head = config.vocab_size * H
+    rows = 7
+    cost = prefill_cost(target, rows)
+    # every matrix read once, the lm_head for the last row only; row i attends over i + 1 keys
+    assert cost.nbytes == (layer_params + head) * 4 + layers * 2 * kv * d * rows * 4
+    assert cost.flops == 2 * layer_params * rows + 2 * head + 2 * 2 * layers * heads * d * (rows * (rows + 1) // 2)
 
 
 def test_draft_cost_is_the_hand_count_with_and_without_a_draft_vocabulary():

@@ -35,7 +35,8 @@ def cmd_probe(args) -> int:
         plot_profile(profile, args.plot)
     print(floor_table(profile), file=sys.stderr)  # for the eye; stdout stays one JSON document
     print(json.dumps({"profile": str(stored), "packed": profile.packed, "verify_ms": profile.verify_ms,
-                      "draft_ms": profile.draft_ms, "host_ms": profile.host_ms, "batch": profile.batch,
+                      "draft_ms": profile.draft_ms, "prefill_ms": profile.prefill_ms, "host_ms": profile.host_ms,
+                      "batch": profile.batch,
                       "floor": profile.floor}, indent=2))
     return 0
 
@@ -55,6 +56,8 @@ def floor_table(profile: CostProfile) -> str:
                                        f["verify_ratio"][i]):
             row(f"prefix {P} verify {n}", ms, floor, ratio)
         row(f"prefix {P} draft", profile.draft_ms[i], f["draft_floor_ms"][i], f["draft_ratio"][i])
+        if profile.prefill_ms:
+            row(f"prompt of {P}", profile.prefill_ms[i], f["prefill_floor_ms"][i], f["prefill_ratio"][i])
     for B, entry in sorted(profile.batch.items(), key=lambda kv: int(kv[0])):
         for n, ms, floor, ratio in zip(entry["packed"], entry["verify_ms"], entry["verify_floor_ms"],
                                        entry["verify_ratio"]):
