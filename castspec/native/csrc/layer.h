@@ -85,7 +85,25 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
  * a long forward (a prompt chunk), where they would otherwise run on one core while the others wait; each row's
  * arithmetic is the same either way. */
 #define ROWS_PARALLEL_MIN 64
-#define FOR_ROWS _Pragma("omp parallel for schedule(static) if (M >= ROWS_PARALLEL_MIN)")
+/* Runs the statements for r in [0, M). Below ROWS_PARALLEL_MIN rows it never enters the OpenMP runtime: even a
+ * region whose if-clause is false costs microseconds, and a decode step would pay it hundreds of times. */
+#define FOR_ROWS(M, r, ...)                                      \
+    do {                                                         \
+        if ((M) >= ROWS_PARALLEL_MIN) {                          \
+            _Pragma("omp parallel for schedule(static)")         \
+            for (int r = 0; r < (M); ++r) { __VA_ARGS__; }       \
+        } else {                                                 \
+            for (int r = 0; r < (M); ++r) { __VA_ARGS__; }       \
+        }                                                        \
+    } while (0)
+
+/* y[o] += b[o] over one row of O outputs (b in the model's dtype, widened). */
+static void add_bias(const StepModel *m, const void *b, float *y, int O) {
+    for (int o = 0; o < O; o += 16) {
+        const __mmask16 k = lanes(O, o);
+        _mm512_mask_storeu_ps(y + o, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y + o), load16(m, b, o, k)));
+    }
+}
 
 /* The rows a bf16 product's input scratch holds for M rows: whole groups of 16 (gemm.c's AMX tiles read them). */
 #define GEMM_ROWS(M) (((int64_t)(M) + 15) / 16 * 16)
@@ -96,21 +114,13 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
 static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
                    uint16_t *xs, float *Y) {
     if (m->bf16) {
-        FOR_ROWS
-        for (int r = 0; r < M; ++r) to_model(X + (int64_t)r * I, xs + (int64_t)r * I, I);
+        FOR_ROWS(M, r, to_model(X + (int64_t)r * I, xs + (int64_t)r * I, I));
         if (gemm_amx_on()) memset(xs + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
         gemm_bf16_f32(W, xs, Y, M, O, I, I, O);
     } else {
         gemm_f32(W, X, Y, M, O, I, I, O);
     }
-    if (b)
-        FOR_ROWS
-        for (int r = 0; r < M; ++r)
-            for (int o = 0; o < O; o += 16) {
-                const __mmask16 k = lanes(O, o);
-                float *y = Y + (int64_t)r * O + o;
-                _mm512_mask_storeu_ps(y, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), load16(m, b, o, k)));
-            }
+    if (b) FOR_ROWS(M, r, add_bias(m, b, Y + (int64_t)r * O, O));
 }
 
 /* RoPE on one head in place, in fp32: x * cos + roll(x, d/2) * signed sin. */
@@ -373,8 +383,18 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
                      heads_out + (int64_t)r * nq + h * d);
     }
     linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, att);
-    FOR_ROWS
-    for (int r = 0; r < M; ++r) add_to(x + (int64_t)r * m->hidden, att + (int64_t)r * m->hidden, m->hidden);
+    FOR_ROWS(M, r, add_to(x + (int64_t)r * m->hidden, att + (int64_t)r * m->hidden, m->hidden));
+}
+
+/* One row's silu(gate) * up from its gate | up halves (gu: 2F values) into act (F). */
+static void silu_times(const float *gu, int F, float *act) {
+    for (int i = 0; i < F; i += 16) {
+        const __mmask16 k = lanes(F, i);
+        const __m512 g = _mm512_maskz_loadu_ps(k, gu + i), u = _mm512_maskz_loadu_ps(k, gu + F + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_mask_storeu_ps(act + i, k, _mm512_mul_ps(silu, u));
+    }
 }
 
 /* x += down(silu(gate) * up) of the post-attention-normed rows. n, gu [M, 2 * inter], act [M, inter], att
@@ -382,22 +402,11 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
 static void mlp(const StepModel *m, const Layer *L, int M, float *x, float *n, float *gu, float *act, void *xs,
                 float *att) {
     const int H = m->hidden, F = m->inter;
-    FOR_ROWS
-    for (int r = 0; r < M; ++r) rms_norm(m, x + (int64_t)r * H, L->mlp_norm, H, n + (int64_t)r * H);
+    FOR_ROWS(M, r, rms_norm(m, x + (int64_t)r * H, L->mlp_norm, H, n + (int64_t)r * H));
     linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, gu); /* per row: gate | up */
-    FOR_ROWS
-    for (int r = 0; r < M; ++r) /* silu(gate) * up */
-        for (int i = 0; i < F; i += 16) {
-            const __mmask16 k = lanes(F, i);
-            const __m512 g = _mm512_maskz_loadu_ps(k, gu + (int64_t)r * 2 * F + i);
-            const __m512 u = _mm512_maskz_loadu_ps(k, gu + (int64_t)r * 2 * F + F + i);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-            _mm512_mask_storeu_ps(act + (int64_t)r * F + i, k, _mm512_mul_ps(silu, u));
-        }
+    FOR_ROWS(M, r, silu_times(gu + (int64_t)r * 2 * F, F, act + (int64_t)r * F));
     linear(m, L->down_w, L->down_b, act, M, H, F, xs, att);
-    FOR_ROWS
-    for (int r = 0; r < M; ++r) add_to(x + (int64_t)r * H, att + (int64_t)r * H, H);
+    FOR_ROWS(M, r, add_to(x + (int64_t)r * H, att + (int64_t)r * H, H));
 }
 
 #endif

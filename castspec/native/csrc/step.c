@@ -97,23 +97,21 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     embed_rows(m, m->embed, tokens, M, x);
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
-        FOR_ROWS
-        for (int r = 0; r < M; ++r) rms_norm(m, x + (int64_t)r * H, L->attn_norm, H, n + (int64_t)r * H);
+        FOR_ROWS(M, r, rms_norm(m, x + (int64_t)r * H, L->attn_norm, H, n + (int64_t)r * H));
         linear(m, L->qkv_w, L->qkv_b, n, M, qkv, H, xs, proj); /* per row: q | k | v heads */
         for (int g = 0, r = 0; g < nseg; ++g) { /* every row's keys/values are in place before any row attends */
             const Segment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
-            const int r0 = r, rows = sg->rows;
-#pragma omp parallel for schedule(static) if (rows >= ROWS_PARALLEL_MIN)
-            for (int j = 0; j < rows; ++j) {
+            const int r0 = r;
+            FOR_ROWS(sg->rows, j, {
                 const int rj = r0 + j;
                 float *row = proj + (int64_t)rj * qkv;
                 norm_rope_heads(m, L, row, nh, nkv, pos[rj]);
                 write_kv(m, sg->k + layer, sg->v + layer, head_stride, sg->start + j, row + nq, row + nq + nk);
                 see[rj] = (RowAttn){sg->k + layer, sg->v + layer, head_stride, s.nkeys[rj],
                                     sg->mask ? s.keys + (int64_t)rj * Smax : NULL};
-            }
-            r += rows;
+            });
+            r += sg->rows;
         }
         attention(m, L, M, proj, qkv, see, S16, probs, heads_out, x, xs, att);
         mlp(m, L, M, x, n, proj, act, xs, att);
