@@ -421,3 +421,36 @@ def test_a_round_that_also_prefills_a_newcomer_gives_the_policy_no_update(models
         assert len(policy.updates) == 1
         run_round(target, drafter, [old, new], policy)
         assert len(policy.updates) == 2
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_serving_thread_warms_up_first_and_serves_even_if_that_fails(models, monkeypatch, fails):
+    """Scheduler.run warms the models up on its own thread before serving (round.warm_up, on scratch caches of
+    its own); a warm-up that fails is logged and the requests are served all the same."""
+    import threading
+
+    import castspec.serving.scheduler as scheduler_module
+    from castspec.round import warm_up
+
+    target, drafter = models
+    calls = []
+
+    def observed(t, d):
+        calls.append(threading.current_thread().name)
+        if fails:
+            raise RuntimeError("injected warm-up failure")
+        warm_up(t, d)
+
+    monkeypatch.setattr(scheduler_module, "warm_up", observed)
+    sched = Scheduler(target, drafter, SchedulerConfig(max_batch=2, policy="cost"), profile=flat_profile(0.05))
+    p = prompts(1, seed=5)[0]
+    done = threading.Event()
+    out = []
+    stop = sched.start()
+    try:
+        sched.submit(Request(p, DecodeConfig(max_new_tokens=12), out.extend, lambda r, e: done.set()))
+        assert done.wait(timeout=60)
+    finally:
+        sched.close(stop)
+    assert calls == ["castspec-scheduler"]
+    assert out == ar(target, p, 12)

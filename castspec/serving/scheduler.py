@@ -293,7 +293,10 @@ class Scheduler:
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop` is set; sleeps while idle, its OpenMP workers handed back (native/threads.py: the
         pool of a thread that is not computing would slow down the thread that is)."""
-        warm_up(self.target, self.drafter)  # this thread's one-time costs, before the first request pays them
+        try:  # this thread's one-time costs, before the first request pays them
+            warm_up(self.target, self.drafter)
+        except Exception:  # noqa: BLE001 - a request would meet the same failure and report it to its client
+            log.exception("castspec: warm-up failed; serving anyway")
         idle = False
         while not stop.is_set():
             if self.step():
