@@ -120,13 +120,13 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             prompt = torch.randint(0, V, (P,), generator=g).tolist()
             cfg = DecodeConfig(method="cast", max_new_tokens=2)
 
-            def prefill():  # the prompt in one round, as a request's first round reads it
-                run_round(target, drafter, [Sequence(target, drafter, prompt, cfg, max(packed))], None,
-                          prefill_budget=P)
+            def prefill() -> Sequence:  # the prompt in one round, as a request's first round reads it
+                s = Sequence(target, drafter, prompt, cfg, max(packed))
+                run_round(target, drafter, [s], None, prefill_budget=P)
+                return s
 
             prefill_ms.append(_median_ms(prefill, reps, warmup, device))
-            seq = Sequence(target, drafter, prompt, cfg, max(packed))
-            run_round(target, drafter, [seq], None, prefill_budget=P)
+            seq = prefill()  # the prefix every verify below runs behind
             row = []
             for n in packed:
                 row.append(_median_ms(_verify_call(target, [seq], build_tree(logprobs, n - 1, top_k)), reps, warmup,

@@ -1,15 +1,17 @@
 """Batched rounds and continuous batching: exactness whatever else is in the batch, allocation optimality,
 ragged verify = per-request dense verify, admission/retirement, failure isolation."""
 import itertools
+import threading
 
 import pytest
 import torch
 
 from castspec.allocate import Chain, CostAware, FixedWidth, PolicySpec, SharedBudget, UniformSplit, make_policy
-from castspec.round import run_round
+from castspec.round import run_round, warm_up
 from castspec.config import DecodeConfig
 from castspec.cost import CostProfile, RoundWidth
 from castspec.decode import decode
+import castspec.serving.scheduler as scheduler_module
 from castspec.serving.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from castspec.sequence import DraftState, Sequence
 from castspec.tree import build_forest, build_tree
@@ -427,11 +429,6 @@ def test_a_round_that_also_prefills_a_newcomer_gives_the_policy_no_update(models
 def test_the_serving_thread_warms_up_first_and_serves_even_if_that_fails(models, monkeypatch, fails):
     """Scheduler.run warms the models up on its own thread before serving (round.warm_up, on scratch caches of
     its own); a warm-up that fails is logged and the requests are served all the same."""
-    import threading
-
-    import castspec.serving.scheduler as scheduler_module
-    from castspec.round import warm_up
-
     target, drafter = models
     calls = []
 
