@@ -16,7 +16,8 @@
 #    TARGET_DIR needs config.json and the tokenizer files; when it has no weights, random ones are written first
 #    -> engine-cuda.json
 # CHECKS=tests|scale|engine (comma-separated) runs only those; every part has its own time limit, and the
-# script exits non-zero when one failed (the others still run). status.txt says which.
+# script exits non-zero when one failed (the others still run). status.txt says which. TESTS_S, SCALE_S and
+# ENGINE_S set those limits in seconds (default 240, 240, 100: together under a 10-minute call).
 set -uo pipefail
 target=${1:-}
 out=${2:-${OUT:?OUT_DIR or \$OUT}}
@@ -35,7 +36,7 @@ record() {  # NAME EXIT_CODE
 wants() { [[ ",$checks," == *",$1,"* ]]; }
 
 if wants tests; then
-  timeout 270 python3 -m pytest -p no:cacheprovider --device cuda tests/test_decoder.py tests/test_decode.py \
+  timeout "${TESTS_S:-240}" python3 -m pytest -p no:cacheprovider --device cuda tests/test_decoder.py tests/test_decode.py \
     tests/test_graphs.py \
     "tests/test_sampling.py::test_sampled_decoding_preserves_the_target_law[method=chain]" \
     "tests/test_sampling.py::test_sampled_decoding_preserves_the_target_law[method=cast-width=15]" \
@@ -45,7 +46,7 @@ if wants tests; then
 fi
 
 if wants scale; then
-  timeout 240 python3 -m castspec.bench.gpu_scale --device cuda --out "$out/gpu-scale.json" \
+  timeout "${SCALE_S:-240}" python3 -m castspec.bench.gpu_scale --device cuda --out "$out/gpu-scale.json" \
     > "$out/gpu-scale.log" 2>&1
   record scale $?
   tail -30 "$out/gpu-scale.log"
@@ -63,7 +64,7 @@ AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1])).save_p
 EOF
     target=$random
   fi
-  timeout 120 python3 -m castspec.bench.engine --device cuda --target "$target" --out "$out/engine-cuda.json" \
+  timeout "${ENGINE_S:-100}" python3 -m castspec.bench.engine --device cuda --target "$target" --out "$out/engine-cuda.json" \
     > "$out/engine-cuda.log" 2>&1
   record engine $?
 fi

@@ -196,11 +196,14 @@ def main(argv=None) -> int:
     report["graph_config"] = {"mode": graphs.mode, "buckets": list(graphs.buckets), "key_step": graphs.key_step,
                               "active": graphs.active(device)}
     report["modes"] = {}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name, cfg in modes.items():
         t = time.perf_counter()
         report["modes"][name] = measure_mode(engine, cfg, args, floors, prompt)
         report["modes"][name]["wall_s"] = time.perf_counter() - t
         print(json.dumps({name: report["modes"][name]["ar"]}), flush=True)
+        out.write_text(json.dumps(report, indent=2))  # each mode as it ends: a run cut short keeps what it measured
     enable(target, drafter, GraphConfig(mode="off"))
     if not args.no_hf:
         with torch.inference_mode():
@@ -209,8 +212,6 @@ def main(argv=None) -> int:
         report["transformers"] = {"whole_call_ms_per_token": ms, "prefix": args.prefixes[0]}
     report["summary"] = summary(report)
     print(json.dumps(report["summary"], indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     return 0
 
