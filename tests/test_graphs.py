@@ -234,7 +234,7 @@ def run(target, drafter, prompt, **kw):
 @pytest.mark.parametrize("key_step", [1, 16])
 def test_greedy_decoding_with_graphs_equals_ar(models, device, key_step):
     target, drafter = models
-    enable(target, drafter, None)  # the default: on for CUDA only
+    enable(target, drafter, GraphConfig(mode="auto"))  # captured graphs on CUDA, plain forwards elsewhere
     assert (target.graphs is not None) == (device.type == "cuda")
     prompts = [[5, 3, 8, 1, 9, 2, 2, 7, 4], [1, 2, 3], [7] * 70]
     ar = [run(target, None, p, method="ar") for p in prompts]

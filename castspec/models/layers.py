@@ -223,7 +223,7 @@ def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     rows = q.reshape(B, kv, g * T, d)
     m = mask.unsqueeze(2).expand(mask.shape[0], 1, g, T, mask.shape[-1]).reshape(mask.shape[0], 1, g * T, -1)
     out = F.scaled_dot_product_attention(rows.to(k.dtype), k, v, attn_mask=m)
-    return out.view(B, h, T, d)
+    return out.reshape(B, h, T, d)  # CUDA's kernels may return the rows in another memory order
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
