@@ -191,7 +191,7 @@ class CostAware(Policy):
             return True
         tokens, nodes = (PRIOR_TOKENS, 0.0) if self.request_tokens is None else (self.request_tokens,
                                                                                  self.request_nodes * batch)
-        drafted_ms = draft + prof.batch_verify_at(batch, batch + nodes, prefix) + prof.host_at(nodes)
+        drafted_ms = draft + prof.batch_verify_at(batch, batch + nodes, prefix) + prof.batch_host_at(batch, nodes)
         return batch * tokens / max(drafted_ms, 1e-6) >= batch / max(prof.plain_round_ms(batch, prefix), 1e-6)
 
     def should_draft(self, batch: int = 1) -> bool:

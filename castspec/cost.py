@@ -75,18 +75,23 @@ class CostProfile:
         """Verify latency of one ragged forward of `batch` requests with `n_total` packed tokens in all (a float;
         an array for an array of totals).
 
-        Interpolated over the probed batch sizes; without batched measurements (or at B = 1) the single-request
-        curve at the same total is the estimate (the projections, which dominate, see only the total)."""
+        Interpolated over the probed batch sizes, with the single-request curve at the same total as batch 1
+        (so a batch smaller than the smallest probed one lies between the two, not on the larger batch's curve);
+        without batched measurements that curve is the estimate (the projections, which dominate, see only the
+        total)."""
         probed = sorted(int(b) for b in self.batch)
         if batch == 1 or not probed:
             return self.verify_at(n_total, prefix)
 
         def at(b: int):
+            if b == 1:
+                return self.verify_at(n_total, prefix)
             entry = self.batch[str(b)]
             return extend_interp(n_total, entry["packed"], entry["verify_ms"])
 
-        lo = max([b for b in probed if b <= batch], default=probed[0])
-        hi = min([b for b in probed if b >= batch], default=probed[-1])
+        sizes = [1, *probed]
+        lo = max(b for b in sizes if b <= batch)
+        hi = min([b for b in sizes if b >= batch], default=sizes[-1])
         if lo == hi:
             return at(lo)
         out = interp_rows(batch, [lo, hi], np.stack([np.atleast_1d(at(lo)), np.atleast_1d(at(hi))]))
@@ -114,8 +119,15 @@ class CostProfile:
         return extend_interp(batch, [1, *probed], draft_ms)
 
     def plain_round_ms(self, batch: int, prefix: float) -> float:
-        """A round without a draft: the verify of `batch` roots and the host work of an empty tree."""
-        return self.batch_verify_at(batch, batch, prefix) + self.host_at(0)
+        """A round without a draft: the verify of `batch` roots and the host work of their empty trees."""
+        return self.batch_verify_at(batch, batch, prefix) + self.batch_host_at(batch, 0)
+
+    def batch_host_at(self, batch: int, nodes):
+        """Host work of a round of `batch` requests with `nodes` tree nodes in all (a float or an array): each
+        request's marginals, tree, pack, walk and commit are its own work, so `batch` times one request's at its
+        share of the nodes (one request's 0.15 ms is about 2.5 ms for 16)."""
+        batch = max(batch, 1)
+        return batch * self.host_at(np.asarray(nodes, dtype=float) / batch if np.ndim(nodes) else nodes / batch)
 
     def host_at(self, width):
         """Host work per round at width N (a float; an array for an array of widths)."""
@@ -140,7 +152,8 @@ class CostProfile:
         """h(N) + verify(N + B) for N = 0..max_width tree nodes in all (non-decreasing): a round's cost once its
         draft is paid, for B requests (each with its root) in one ragged verify."""
         widths = np.arange(max_width + 1)
-        return np.maximum.accumulate(self.host_at(widths) + self.batch_verify_at(batch, widths + batch, prefix))
+        return np.maximum.accumulate(self.batch_host_at(batch, widths)
+                                     + self.batch_verify_at(batch, widths + batch, prefix))
 
     @property
     def max_width(self) -> int:

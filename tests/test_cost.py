@@ -133,10 +133,27 @@ def test_the_verify_table_is_the_pointwise_costs_at_once():
     prof = _batched_profile()
     for batch, prefix in [(1, 100), (3, 60), (16, 250), (20, 100)]:
         table = prof.verify_table(40 * batch, prefix, batch)
-        pointwise = np.maximum.accumulate([prof.host_at(w) + prof.batch_verify_at(batch, w + batch, prefix)
+        pointwise = np.maximum.accumulate([prof.batch_host_at(batch, w) + prof.batch_verify_at(batch, w + batch, prefix)
                                            for w in range(40 * batch + 1)])
         np.testing.assert_allclose(table, pointwise, rtol=1e-12)
         assert isinstance(prof.verify_at(37, prefix), float) and isinstance(prof.host_at(7), float)
+
+
+def test_a_batch_below_the_smallest_probed_lies_between_one_request_and_that_batch():
+    prof = _batched_profile()
+    del prof.batch["2"], prof.batch["4"]  # only batch 16 probed: 16 rows cost 26 ms, one request's 4 rows 10 ms
+    four = prof.batch_verify_at(4, 4, 100)
+    assert four == pytest.approx(10.0 + (26.0 - 10.0) * 3 / 15)  # not batch 16's 26 ms for 4 requests' roots
+    assert prof.batch_verify_at(16, 16, 100) == pytest.approx(26.0)
+
+
+def test_host_work_of_a_batch_is_each_request_s_own():
+    prof = _batched_profile()  # one request: 0.1 ms without a tree, 0.3 ms for 15 nodes
+    assert prof.batch_host_at(1, 15) == prof.host_at(15)
+    assert prof.batch_host_at(16, 16 * 15) == pytest.approx(16 * 0.3)
+    assert prof.batch_host_at(16, 0) == pytest.approx(16 * 0.1)
+    np.testing.assert_allclose(prof.batch_host_at(4, np.array([0, 60])), [0.4, 1.2])
+    assert prof.plain_round_ms(16, 100) == pytest.approx(prof.batch_verify_at(16, 16, 100) + 1.6)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])

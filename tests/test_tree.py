@@ -151,6 +151,23 @@ def test_forest_with_supports_equals_forest_of_full_marginals():
         assert build_forest(lps, budget, 8, caps, supports) == build_forest(fulls, budget, 8, caps)
 
 
+def test_requests_that_share_a_support_get_the_trees_each_would_get_alone():
+    # a batched drafter pass: every request's block over one draft vocabulary (one top-k for all of them),
+    # with ties inside and across the k-th place, blocks of different depths, and a request without the support
+    g = torch.Generator().manual_seed(5)
+    support = torch.randperm(500, generator=g)[:120]
+    blocks = [torch.randint(-6, 0, (d, 120), generator=g).float() for d in (7, 7, 3, 7)]
+    full = torch.randn(7, 500, generator=g).log_softmax(-1)
+    lps, supports = [*blocks, full], [support] * 4 + [None]
+    for budget, caps in ((63, None), (200, [63] * 5), (9, [2, 2, 2, 2, 2])):
+        forest = build_forest(lps, budget, 8, caps, supports)
+        caps_each = caps or [budget] * 5
+        alone = [build_forest([lp], budget, 8, [c], [sup])[0] for lp, sup, c in zip(lps, supports, caps_each)]
+        for tree, single in zip(forest, alone):
+            assert tree.tokens == single.tokens[:len(tree.tokens)]
+            assert tree.scores == single.scores[:len(tree.scores)]
+
+
 def test_equal_log_probabilities_rank_by_token_id():
     row = torch.tensor([[-2.0, -1.0, -3.0, -1.0, -2.0, -1.0, -2.0]])
     assert build_tree(row, 4, 4).tokens == [1, 3, 5, 0]  # the smallest id among the -2.0s takes the 4th place

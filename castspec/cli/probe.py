@@ -26,7 +26,9 @@ def cmd_probe(args) -> int:
         raise UserError(f"prefix {max(prefixes)} + {max(packed)} packed tokens exceed the context ({ctx})")
     profile = probe(engine, packed, prefixes, reps=args.reps, warmup=args.warmup)
     if batches:
-        probe_batch(engine, profile, batches, reps=args.reps, warmup=args.warmup)
+        # at the prefix the cost policy prices batched rounds at (the profile's first), so that a plain round and
+        # a drafted one of the same batch compare at the same key reads
+        probe_batch(engine, profile, batches, prefix=prefixes[0], reps=args.reps, warmup=args.warmup)
     stored = profile_path(cache_dir(), engine_key(engine))
     profile.save(stored)
     if args.out:
