@@ -35,6 +35,13 @@ STEPS6=${STEPS6:-600}
 # datasets, twice the anchors per sequence (the same block rows per step)
 RUN7=${RUN7:-runs/drafter-smollm2-v12}
 STEPS7=${STEPS7:-1500}
+# leg 9 (v14): two new datasets, greedy responses to the training prompts drawn with seed 5 and responses sampled
+# at T = 1 to those drawn with seed 4, trained on together from v12 (sampled responses alone lost greedy
+# acceptance: docs/training.md, leg 8)
+DATA9=${DATA9:-data/smollm2-bf16-greedy-s5}
+DATA9T=${DATA9T:-data/smollm2-bf16-t1-s4}
+RUN9=${RUN9:-runs/drafter-smollm2-v14}
+STEPS9=${STEPS9:-1500}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -46,6 +53,8 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA4" --batch-size 24 --seed 2 --temperature 1.0
   $CLI make-data --out "$DATA5" --batch-size 24 --seed 3 --max-prompts 2400
   $CLI make-data --out "$DATA5F" --batch-size 24 --seed 3 --follow-up "$DATA5"
+  $CLI make-data --out "$DATA9" --batch-size 24 --seed 5
+  $CLI make-data --out "$DATA9T" --batch-size 24 --seed 4 --temperature 1.0
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -82,7 +91,11 @@ $CLI train-drafter --data "$DATA5,$DATA5F,$DATA,$DATA3" --out "$RUN6" --layers 2
 $CLI train-drafter --data "$DATA5,$DATA5F,$DATA,$DATA3,$DATA4" --out "$RUN7" --layers 2 --block-size 8 \
     --seqs-per-step 4 --anchors 128 --lr 2e-4 --gamma 3 --norm-init ones --init-from "$RUN6/drafter" \
     --draft-vocab "$RUN6/drafter" --steps "$STEPS7" --checkpoint-every 25 --export-every 250 --eval-per-domain 4
-# 9. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 9. leg 9: warm start from v12 on the seed-5 greedy and seed-4 sampled datasets together
+$CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN9" --layers 2 --block-size 8 --seqs-per-step 4 --anchors 128 \
+    --lr 1.5e-4 --gamma 3 --norm-init ones --init-from "$RUN7/drafter" --draft-vocab "$RUN7/drafter" --steps "$STEPS9" \
+    --checkpoint-every 25 --export-every 250 --eval-per-domain 4
+# 10. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN7/drafter/config.json" "$RUN7/drafter/model.safetensors" "$RUN7/drafter/draft_vocab.safetensors" \
+cp "$RUN9/drafter/config.json" "$RUN9/drafter/model.safetensors" "$RUN9/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
