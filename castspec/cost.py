@@ -125,7 +125,7 @@ class CostProfile:
     def batch_host_at(self, batch: int, nodes):
         """Host work of a round of `batch` requests with `nodes` tree nodes in all (a float or an array): each
         request's marginals, tree, pack, walk and commit are its own work, so `batch` times one request's at its
-        share of the nodes (one request's 0.15 ms is about 2.5 ms for 16)."""
+        share of the nodes (the probe times one request's)."""
         batch = max(batch, 1)
         return batch * self.host_at(np.asarray(nodes, dtype=float) / batch if np.ndim(nodes) else nodes / batch)
 
