@@ -127,7 +127,7 @@ class CostProfile:
         request's marginals, tree, pack, walk and commit are its own work, so `batch` times one request's at its
         share of the nodes (the probe times one request's)."""
         batch = max(batch, 1)
-        return batch * self.host_at(np.asarray(nodes, dtype=float) / batch if np.ndim(nodes) else nodes / batch)
+        return batch * self.host_at(nodes / batch)  # host_at takes a number or an array, as `nodes` comes
 
     def host_at(self, width):
         """Host work per round at width N (a float; an array for an array of widths)."""
