@@ -109,7 +109,8 @@ def tiles(request, lib):
 def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, outputs, inner):
     """gemm.c, the whole native forwards' products: the fp32 sums of the rows (bf16 products are exact in fp32,
     so only the summation order differs from torch's) for every row count through several tiles, blocks and
-    threads; a row's bits the same alone, in any group and at any place; columns past O left alone. On AVX-512
+    threads (on AMX: 1, 2, 3 and 4 groups of 16 rows sharing each weight tile); a row's bits the same alone, in any
+    group and at any place; columns past O left alone. On AVX-512
     tiles and, where the CPU has them, AMX tiles (inner widths that are multiples of 32)."""
     g = torch.Generator().manual_seed(outputs)
     w = torch.randn(outputs, inner, generator=g).to(dtype)
@@ -119,7 +120,7 @@ def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, ou
     assert out[:, outputs:].isnan().all()
     torch.testing.assert_close(out[:, :outputs], x.double() @ w.double().T, rtol=1e-5, atol=1e-4,
                                check_dtype=False)
-    for first, rows in [(0, 1), (5, 1), (3, 2), (9, 7), (1, 13), (40, 30), (0, 64)]:
+    for first, rows in [(0, 1), (5, 1), (3, 2), (9, 7), (1, 13), (40, 30), (2, 40), (0, 64)]:
         part = _gemm(lib, packed, x[first:first + rows].contiguous(), outputs)
         assert torch.equal(part[:, :outputs], out[first:first + rows, :outputs]), (first, rows)
     # the packed layout keeps whole panels of rows in place: draft.c multiplies by a slice of them

@@ -268,8 +268,8 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
 /* AMX (Intel's tile unit), where the CPU has it: one TDPBF16PS multiplies 16 rows x 32 inputs by a 32 x 16 block
  * of weights, which is exactly 16 consecutive k-pairs of a packed panel (1 KiB, rows of 64 bytes). Rows go in
  * groups of 16; a group with fewer rows is padded with zero rows, so every product runs the same instructions
- * on the same 16-row tiles whatever M is, and a row's sums never depend on the others. Tiles: C0-C3 hold 4
- * panels' sums, A the group's inputs, B0-B2 weights. The caller pads X with zero rows to whole groups (layer.h's
+ * on the same 16-row tiles whatever M is, and a row's sums never depend on the others. Tiles 0-3 hold sums
+ * (amx_groups1/2 say whose), 4-7 inputs and weights. The caller pads X with zero rows to whole groups (layer.h's
  * linear). */
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -308,11 +308,13 @@ AMX static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* C tile `t` of one group: straight into Y for 16 rows of 16 valid columns, else through a buffer. */
-#define AMX_STORE(t, b)                                                                                 \
+/* C tile `t`, the sums of group `g` (rows 16 * g on) for panel `pn`: straight into Y for 16 rows of 16 valid
+ * columns, else through a buffer. */
+#define AMX_STORE(t, g, pn)                                                                             \
     do {                                                                                                \
-        float *y = Y + (int64_t)m0 * ldy + (int64_t)(panel + (b)) * 16;                                 \
-        const int64_t valid = (int64_t)O - (int64_t)(panel + (b)) * 16;                                 \
+        const int m0 = 16 * (g), R = M - m0 < 16 ? M - m0 : 16;                                          \
+        float *y = Y + (int64_t)m0 * ldy + (int64_t)(pn) * 16;                                          \
+        const int64_t valid = (int64_t)O - (int64_t)(pn) * 16;                                          \
         if (R == 16 && valid >= 16) {                                                                   \
             _tile_stored(t, y, ldy * 4);                                                                \
         } else {                                                                                        \
@@ -322,6 +324,52 @@ AMX static void amx_configure(void) {
                 _mm512_mask_storeu_ps(y + r * ldy, lanes(valid, 0), _mm512_loadu_ps(buf + 16 * r));      \
         }                                                                                               \
     } while (0)
+
+/* Fetches the weights AMX_AHEAD elements past k-step wk of nb panels (stride elements apart) into L1. */
+#define AMX_FETCH(wk, nb, stride)                                                                       \
+    for (int b = 0; b < (nb); ++b)                                                                      \
+        for (int l = 0; l < 16; ++l) _mm_prefetch((const char *)((wk) + b * (stride) + AMX_AHEAD + 32 * l), _MM_HINT_T0)
+
+/* The shapes of one step along the block's panels: all four C tiles (C0-C3) hold sums, so one group of 16
+ * rows takes 4 panels a step and two groups 2 panels. Every weight tile loaded is used by both groups of a pair,
+ * so for up to 32 rows the weights stream from memory once, overlapped with all of the compute (a second group
+ * that ran after the first, over the block in cache, left the memory stream idle meanwhile). Each C tile sums
+ * along I from zero in the same order whatever the shape: no bits depend on it. `fetch`: whether this step
+ * streams the weights from memory (the first groups over a block), fetching ahead. */
+AMX static void amx_groups1(const uint16_t *w, int64_t pstride, int nb, const uint16_t *a, int64_t ldx, int I,
+                            int fetch) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int k = 0; k < I; k += 32) {
+        const uint16_t *wk = w + (int64_t)k * 16; /* pair k/2 of the panel, 32 elements a pair */
+        if (fetch) AMX_FETCH(wk, nb, pstride);
+        _tile_loadd(4, a + k, ldx * 2);
+        _tile_loadd(5, wk, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nb > 1) { _tile_loadd(6, wk + pstride, 64); _tile_dpbf16ps(1, 4, 6); }
+        if (nb > 2) { _tile_loadd(7, wk + 2 * pstride, 64); _tile_dpbf16ps(2, 4, 7); }
+        if (nb > 3) { _tile_loadd(5, wk + 3 * pstride, 64); _tile_dpbf16ps(3, 4, 5); }
+    }
+}
+
+/* Two groups (inputs a, a + 16 rows) x nb <= 2 panels: C0/C1 group 0's panels, C2/C3 group 1's. */
+AMX static void amx_groups2(const uint16_t *w, int64_t pstride, int nb, const uint16_t *a, int64_t ldx, int I,
+                            int fetch) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int k = 0; k < I; k += 32) {
+        const uint16_t *wk = w + (int64_t)k * 16;
+        if (fetch) AMX_FETCH(wk, nb, pstride);
+        _tile_loadd(4, a + k, ldx * 2);
+        _tile_loadd(5, a + 16 * ldx + k, ldx * 2);
+        _tile_loadd(6, wk, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nb > 1) {
+            _tile_loadd(7, wk + pstride, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
 
 AMX static void gemm_amx(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
     const int64_t pstride = (int64_t)16 * I;
@@ -333,30 +381,27 @@ AMX static void gemm_amx(const uint16_t *P, const uint16_t *X, float *Y, int M, 
         amx_configure();
         for (int blk = first; blk < last; blk += BLOCK) {
             const int bend = last - blk < BLOCK ? last : blk + BLOCK;
-            for (int g = 0; g < groups; ++g) {
-                const int m0 = 16 * g, R = M - m0 < 16 ? M - m0 : 16;
-                const uint16_t *a = X + (int64_t)m0 * ldx;
-                for (int panel = blk; panel < bend; panel += 4) {
-                    const int nb = bend - panel < 4 ? bend - panel : 4;
+            /* groups in pairs: the first pair streams the block from memory, later ones (more than 32 rows)
+             * read it again from cache (pairs measured faster than sets of 3-4 groups sharing one weight tile,
+             * whose inputs' loads then outweigh the weights') */
+            for (int g0 = 0; g0 < groups; g0 += 2) {
+                const int pair = groups - g0 > 1, step = pair ? 2 : 4, fetch = g0 == 0;
+                const uint16_t *a = X + (int64_t)16 * g0 * ldx;
+                for (int panel = blk; panel < bend; panel += step) {
+                    const int nb = bend - panel < step ? bend - panel : step;
                     const uint16_t *w = P + (int64_t)panel * pstride;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    for (int k = 0; k < I; k += 32) {
-                        const uint16_t *wk = w + (int64_t)k * 16; /* pair k/2 of the panel, 32 elements a pair */
-                        if (g == 0) /* the first group streams the weights from memory: fetch ahead */
-                            for (int b = 0; b < nb; ++b)
-                                for (int l = 0; l < 16; ++l)
-                                    _mm_prefetch((const char *)(wk + b * pstride + AMX_AHEAD + 32 * l), _MM_HINT_T0);
-                        _tile_loadd(4, a + k, (int64_t)ldx * 2);
-                        _tile_loadd(5, wk, 64);
-                        _tile_dpbf16ps(0, 4, 5);
-                        if (nb > 1) { _tile_loadd(6, wk + pstride, 64); _tile_dpbf16ps(1, 4, 6); }
-                        if (nb > 2) { _tile_loadd(7, wk + 2 * pstride, 64); _tile_dpbf16ps(2, 4, 7); }
-                        if (nb > 3) { _tile_loadd(5, wk + 3 * pstride, 64); _tile_dpbf16ps(3, 4, 5); }
+                    if (pair) {
+                        amx_groups2(w, pstride, nb, a, ldx, I, fetch);
+                        AMX_STORE(0, g0, panel);
+                        AMX_STORE(2, g0 + 1, panel);
+                        if (nb > 1) { AMX_STORE(1, g0, panel + 1); AMX_STORE(3, g0 + 1, panel + 1); }
+                    } else {
+                        amx_groups1(w, pstride, nb, a, ldx, I, fetch);
+                        AMX_STORE(0, g0, panel);
+                        if (nb > 1) AMX_STORE(1, g0, panel + 1);
+                        if (nb > 2) AMX_STORE(2, g0, panel + 2);
+                        if (nb > 3) AMX_STORE(3, g0, panel + 3);
                     }
-                    AMX_STORE(0, 0);
-                    if (nb > 1) AMX_STORE(1, 1);
-                    if (nb > 2) AMX_STORE(2, 2);
-                    if (nb > 3) AMX_STORE(3, 3);
                 }
             }
         }
