@@ -12,9 +12,11 @@ import torch
 
 
 def cache_dtype(model_dtype: torch.dtype, device) -> torch.dtype:
-    """fp32 on CPU, where the keys and values are written exactly as computed (fp32 activations) and attention
-    runs in fp32 (QKVProjection.sdpa); the model's dtype elsewhere (k/v rounded as they are written)."""
-    return torch.float32 if torch.device(device).type == "cpu" else model_dtype
+    """The model's dtype on every device: keys and values are computed in fp32 and rounded as they are written
+    (half the bytes for a bf16 model, which every later row reads back: under load, many requests' caches are
+    read as much as the weights). On CPU attention widens them back to fp32 (QKVProjection.sdpa, the native
+    forwards)."""
+    return model_dtype
 
 
 class KVCache:

@@ -171,12 +171,13 @@ class QKVProjection(nn.Module):
 
     def sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
         """q [B,h,T,d] over k/v [B,kv,S,d]; mask is a bool [B|1,1,T,S] (True = visible) or None."""
-        # q follows the cache's dtype. CPU caches are fp32 (activations are, and torch's bf16 CPU attention
-        # kernels are an order of magnitude slower than its fp32 ones at decode shapes), so attention is fp32;
-        # CUDA caches hold the model's dtype and q is rounded to it (CUDA's weaker guarantee).
+        # Caches hold the model's dtype. On CPU attention runs in fp32 (activations are, and torch's bf16 CPU
+        # attention kernels are an order of magnitude slower than its fp32 ones at decode shapes): the cached
+        # keys and values are widened, as the native forwards widen them; on CUDA q is rounded to the cache's
+        # dtype (CUDA's weaker guarantee).
         grouped = self.heads != self.kv_heads
         if not q.is_cuda:
-            return self._attention(q, k, v, mask, causal, grouped)
+            return self._attention(q, k.to(q.dtype), v.to(q.dtype), mask, causal, grouped)
         with sdpa_kernel(CUDA_SDPA_BACKENDS):
             if grouped and mask is not None:
                 # CUDA's flash and memory-efficient kernels take no grouped heads with a mask (only the math one

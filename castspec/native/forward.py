@@ -108,9 +108,10 @@ def _selftest_rows(limit: int | None) -> int:
     return SELFTEST_ROWS if limit is None else min(SELFTEST_ROWS, limit)
 
 
-def cache_fits(cache) -> bool:
-    """The cache layout step.c and draft.c write: fp32, one sequence, contiguous, on the CPU."""
-    return (cache.k.dtype == torch.float32 and cache.k.shape[1] == 1 and cache.k.is_contiguous()
+def cache_fits(cache, dtype: torch.dtype) -> bool:
+    """The cache layout step.c and draft.c write for a model of `dtype`: that dtype, one sequence, contiguous, on
+    the CPU."""
+    return (cache.k.dtype == dtype and cache.v.dtype == dtype and cache.k.shape[1] == 1 and cache.k.is_contiguous()
             and cache.v.is_contiguous() and cache.k.device.type == "cpu")
 
 
@@ -197,7 +198,7 @@ class NativeStep:
                 or len(set(taps)) != len(taps):
             return False
         # every row seeing every slot is no decoding pattern; float masks are not trees
-        return all(not (seg.mask is None and seg.length > 1 and not seg.causal) and cache_fits(seg.cache)
+        return all(not (seg.mask is None and seg.length > 1 and not seg.causal) and cache_fits(seg.cache, decoder.dtype)
                    and (seg.mask is None or seg.mask.dtype == torch.bool) for seg in segments)
 
     @staticmethod
@@ -325,7 +326,7 @@ class NativeDraft:
         if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
                 or not _within(block_emb.shape[1], max_rows(drafter.dtype)):
             return False
-        return all(seg.cache is not None and seg.mask is None and cache_fits(seg.cache)
+        return all(seg.cache is not None and seg.mask is None and cache_fits(seg.cache, drafter.dtype)
                    and seg.start + seg.ctx_length + seg.block_length <= seg.cache.capacity for seg in segments)
 
     @staticmethod

@@ -14,11 +14,11 @@ typedef struct {
     int32_t fc_in; /* len(target_layer_ids) * hidden */
 } DraftModel;
 
-/* One request in a drafter pass: its cache (fp32 [layers, 1, kv_heads, capacity, head_dim]), where its new
- * context rows go (slots start ..), how many context and block rows it has. Same layout as native/abi.py's
- * DraftSegment. */
+/* One request in a drafter pass: its cache ([layers, 1, kv_heads, capacity, head_dim] in the model's dtype),
+ * where its new context rows go (slots start ..), how many context and block rows it has. Same layout as
+ * native/abi.py's DraftSegment. */
 typedef struct {
-    float *k, *v;
+    void *k, *v; /* the model's dtype */
     int64_t capacity, start;
     int32_t ctx_rows, block_rows;
 } DraftSegment;
@@ -93,10 +93,11 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
         for (int g = 0, c = 0; g < nseg; ++g) {
             const DraftSegment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
+            void *K = kv_at(m, sg->k, layer), *V = kv_at(m, sg->v, layer);
             for (int j = 0; j < sg->ctx_rows; ++j, ++c) {
                 float *row = proj + (int64_t)c * 2 * nk;
                 norm_rope_heads(m, L, row, 0, nkv, ctx_pos[c]);
-                write_kv(m, sg->k + layer, sg->v + layer, head_stride, sg->start + j, row, row + nk);
+                write_kv(m, K, V, head_stride, sg->start + j, row, row + nk);
             }
         }
         /* the blocks */
@@ -106,12 +107,12 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
             const DraftSegment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
             const int S = (int)(sg->start + sg->ctx_rows + sg->block_rows);
+            void *K = kv_at(m, sg->k, layer), *V = kv_at(m, sg->v, layer);
             for (int j = 0; j < sg->block_rows; ++j, ++t) {
                 float *row = proj + (int64_t)t * qkv;
                 norm_rope_heads(m, L, row, nh, nkv, block_pos[t]);
-                write_kv(m, sg->k + layer, sg->v + layer, head_stride, sg->start + sg->ctx_rows + j, row + nq,
-                         row + nq + nk);
-                see[t] = (RowAttn){sg->k + layer, sg->v + layer, head_stride, S, NULL}; /* everything */
+                write_kv(m, K, V, head_stride, sg->start + sg->ctx_rows + j, row + nq, row + nq + nk);
+                see[t] = (RowAttn){K, V, head_stride, S, NULL}; /* everything */
             }
         }
         /* n is free again once the block's projections are taken: it holds attention's and the MLP's outputs */

@@ -6,6 +6,10 @@
  * kept (bf16 weights, not bf16 arithmetic; as the torch forward in castspec/models/ computes it, up to the
  * summation order inside attention and products and the rounding of exp).
  *
+ * Keys and values are cached in the model's dtype (a bf16 model's rounded as they are written, half the bytes
+ * every later row reads back) and widened to fp32 as attention reads them; a row reads its own key and value
+ * back from the cache too, so it sees exactly what later rows will.
+ *
  * Every row's arithmetic is independent of the other rows in its forward: the products sum in one order
  * whatever the row count (gemm.c), and attention depends only on the ordered list of keys a row sees
  * (attend_heads), never on the slots they sit in. So a row gives the same bits alone or in any batch, a tree
@@ -46,6 +50,13 @@ typedef struct {
 /* Sixteen elements of a weight (model dtype) from element i, as fp32. */
 static inline __m512 load16(const StepModel *m, const void *p, int64_t i, __mmask16 k) {
     return m->bf16 ? widen(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+/* Sixteen elements of a cached key or value (bf16 or fp32 as `bf`, a constant wherever it is inlined) from
+ * element i, as fp32. */
+static inline __attribute__((always_inline)) __m512 kv16(const void *p, int64_t i, int bf) {
+    return bf ? widen(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+              : _mm512_loadu_ps((const float *)p + i);
 }
 
 /* x[i] += y[i] over n elements: a residual add. */
@@ -178,14 +189,14 @@ static __m512 exp16(__m512 x) {
  * accumulators run key by key in order, exactly as for that head alone; the heads share each value row's loads
  * and their independent chains keep the FMA units busy. H and C are constants at every call site. */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, int64_t pstride, int H, int C,
-                                                               const float *V, int n, const int32_t *keys, int d,
-                                                               int i0, const float *inv, float *out) {
+                                                               const void *V, int bf, int n, const int32_t *keys,
+                                                               int d, int i0, const float *inv, float *out) {
     __m512 o[4][8];
     UNROLL_LOOP(4) for (int h = 0; h < H; ++h) UNROLL_LOOP(8) for (int k = 0; k < C; ++k) o[h][k] = _mm512_setzero_ps();
     for (int j = 0; j < n; ++j) {
-        const float *value = V + (int64_t)(keys ? keys[j] : j) * d + i0;
+        const int64_t value = (int64_t)(keys ? keys[j] : j) * d + i0;
         __m512 v[8];
-        UNROLL_LOOP(8) for (int k = 0; k < C; ++k) v[k] = _mm512_loadu_ps(value + 16 * k);
+        UNROLL_LOOP(8) for (int k = 0; k < C; ++k) v[k] = kv16(V, value + 16 * k, bf);
         UNROLL_LOOP(4) for (int h = 0; h < H; ++h) {
             const __m512 w = _mm512_set1_ps(p[h * pstride + j]);
             UNROLL_LOOP(8) for (int k = 0; k < C; ++k) o[h][k] = _mm512_fmadd_ps(w, v[k], o[h][k]);
@@ -198,12 +209,14 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, i
 
 /* Heads [0, G) of the weighted sum, over blocks of up to 8 vectors of d, in groups of heads that fit the
  * registers; any other shape head by head through the same code. */
-static void weigh_all(const float *p, int64_t pstride, int G, const float *V, int n, const int32_t *keys, int d,
-                      const float *inv, float *out) {
+static inline __attribute__((always_inline)) void weigh_all(const float *p, int64_t pstride, int G, const void *V,
+                                                            int bf, int n, const int32_t *keys, int d,
+                                                            const float *inv, float *out) {
     for (int i0 = 0; i0 < d; i0 += 128) {
         const int C = d - i0 < 128 ? (d - i0) / 16 : 8;
         int h = 0;
-#define WEIGH(HH, CC) weigh_values(p + h * pstride, pstride, HH, CC, V, n, keys, d, i0, inv + h, out + (int64_t)h * d)
+#define WEIGH(HH, CC) \
+    weigh_values(p + h * pstride, pstride, HH, CC, V, bf, n, keys, d, i0, inv + h, out + (int64_t)h * d)
         if (C == 4)
             for (; h + 4 <= G; h += 4) WEIGH(4, 4);
         if (C == 4 && G - h == 3) { WEIGH(3, 4); h += 3; }
@@ -229,17 +242,17 @@ static void weigh_all(const float *p, int64_t pstride, int G, const float *V, in
  * without a list), lane-wise: acc[j] sums the d/16 products of key j in order (hsum16 then sums the lanes), and
  * acc[j] = 0 for j >= w. d is a constant at the common call sites (64, 128): the query then stays in registers
  * and the loops unroll; the arithmetic is the same either way. */
-static inline __attribute__((always_inline)) void dot_keys(const float *qg, const float *K, const int32_t *keys,
-                                                           int c0, int w, int d, __m512 *acc) {
+static inline __attribute__((always_inline)) void dot_keys(const float *qg, const void *K, int bf,
+                                                           const int32_t *keys, int c0, int w, int d, __m512 *acc) {
     const int nv = d / 16;
     __m512 qv[8];
     if (nv <= 8) UNROLL_LOOP(8) for (int i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(qg + 16 * i);
     UNROLL_LOOP(16) for (int j = 0; j < 16; ++j) {
         acc[j] = _mm512_setzero_ps();
         if (j < w) {
-            const float *key = K + (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
+            const int64_t key = (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
             UNROLL_LOOP(8) for (int i = 0; i < nv; ++i)
-                acc[j] = _mm512_fmadd_ps(nv <= 8 ? qv[i] : _mm512_loadu_ps(qg + 16 * i), _mm512_loadu_ps(key + 16 * i),
+                acc[j] = _mm512_fmadd_ps(nv <= 8 ? qv[i] : _mm512_loadu_ps(qg + 16 * i), kv16(K, key + 16 * i, bf),
                                          acc[j]);
         }
     }
@@ -255,8 +268,10 @@ static inline __attribute__((always_inline)) void dot_keys(const float *qg, cons
  * ancestors, parents first) computes exactly what the decode step at its position computes over slots
  * 0..pos. Each head computes the same bits whatever G is: the heads share the loads of each key and value,
  * nothing else. */
-static void attend_heads(const float *q, int G, const float *K, const float *V, int n, const int32_t *keys, int d,
-                         float scale, float *p, int64_t pstride, float *out) {
+static inline __attribute__((always_inline)) void attend_heads_as(const float *q, int G, const void *K,
+                                                                  const void *V, int bf, int n,
+                                                                  const int32_t *keys, int d, float scale, float *p,
+                                                                  int64_t pstride, float *out) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 vmax[64];
     for (int g = 0; g < G; ++g) vmax[g] = ninf;
@@ -264,9 +279,9 @@ static void attend_heads(const float *q, int G, const float *K, const float *V, 
         const int w = n - c0 < 16 ? n - c0 : 16;
         for (int g = 0; g < G; ++g) { /* the chunk's 16 key rows stay in L1 across the heads */
             __m512 acc[16];
-            if (d == 64) dot_keys(q + (int64_t)g * d, K, keys, c0, w, 64, acc);
-            else if (d == 128) dot_keys(q + (int64_t)g * d, K, keys, c0, w, 128, acc);
-            else dot_keys(q + (int64_t)g * d, K, keys, c0, w, d, acc);
+            if (d == 64) dot_keys(q + (int64_t)g * d, K, bf, keys, c0, w, 64, acc);
+            else if (d == 128) dot_keys(q + (int64_t)g * d, K, bf, keys, c0, w, 128, acc);
+            else dot_keys(q + (int64_t)g * d, K, bf, keys, c0, w, d, acc);
             const __m512 sc =
                 _mm512_mask_blend_ps(lanes(n, c0), ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
             _mm512_storeu_ps(p + g * pstride + c0, sc);
@@ -285,7 +300,15 @@ static void attend_heads(const float *q, int G, const float *K, const float *V, 
         }
         inv[g] = 1.f / _mm512_reduce_add_ps(vsum);
     }
-    weigh_all(p, pstride, G, V, n, keys, d, inv, out);
+    weigh_all(p, pstride, G, V, bf, n, keys, d, inv, out);
+}
+
+/* attend_heads_as over a cache of bf16 (bf) or fp32 keys and values: one copy of the code for each, so that
+ * the inner loops test nothing. */
+static void attend_heads(const float *q, int G, const void *K, const void *V, int bf, int n, const int32_t *keys,
+                         int d, float scale, float *p, int64_t pstride, float *out) {
+    if (bf) attend_heads_as(q, G, K, V, 1, n, keys, d, scale, p, pstride, out);
+    else attend_heads_as(q, G, K, V, 0, n, keys, d, scale, p, pstride, out);
 }
 
 /* The slots a row sees, ascending, from its mask row visible[0, S) (nonzero = visible) into keys; returns how
@@ -312,20 +335,32 @@ static void norm_rope_heads(const StepModel *m, const Layer *L, float *heads, in
     }
 }
 
-/* One row's key and value heads into cache slot `slot` of one layer ([kv_heads, capacity, head_dim]). */
-static void write_kv(const StepModel *m, float *K, float *V, int64_t head_stride, int64_t slot, const float *k,
+/* Element `i` of a cache tensor in the model's dtype (the caches' dtype): where it sits. */
+static inline void *kv_at(const StepModel *m, const void *base, int64_t i) {
+    return (char *)base + i * (m->bf16 ? 2 : 4);
+}
+
+/* One row's key and value heads into cache slot `slot` of one layer ([kv_heads, capacity, head_dim], the
+ * model's dtype: a bf16 model's rounded as torch rounds them, to nearest even). */
+static void write_kv(const StepModel *m, void *K, void *V, int64_t head_stride, int64_t slot, const float *k,
                      const float *v) {
     const int d = m->head_dim;
     for (int g = 0; g < m->kv_heads; ++g) {
-        memcpy(K + g * head_stride + slot * d, k + g * d, sizeof(float) * d);
-        memcpy(V + g * head_stride + slot * d, v + g * d, sizeof(float) * d);
+        void *key = kv_at(m, K, g * head_stride + slot * d), *value = kv_at(m, V, g * head_stride + slot * d);
+        if (m->bf16) {
+            to_model(k + g * d, key, d);
+            to_model(v + g * d, value, d);
+        } else {
+            memcpy(key, k + g * d, sizeof(float) * d);
+            memcpy(value, v + g * d, sizeof(float) * d);
+        }
     }
 }
 
-/* What one row attends over at the current layer: its cache ([kv_heads, capacity, head_dim] from K and V) at
- * the n slots keys[0..n), ascending (keys NULL: slots [0, n)). */
+/* What one row attends over at the current layer: its cache ([kv_heads, capacity, head_dim] from K and V, the
+ * model's dtype) at the n slots keys[0..n), ascending (keys NULL: slots [0, n)). */
 typedef struct {
-    const float *K, *V;
+    const void *K, *V;
     int64_t head_stride; /* capacity * head_dim */
     int n;
     const int32_t *keys;
@@ -378,8 +413,9 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
     for (int it = 0; it < items; ++it) {
         const int r = it % M, h = (it / M) * G;
         const RowAttn *a = &rows[r];
-        attend_heads(q + r * ldq + h * d, G, a->K + (h / group) * a->head_stride, a->V + (h / group) * a->head_stride,
-                     a->n, a->keys, d, scale, probs + (int64_t)omp_get_thread_num() * group * S16, S16,
+        const int64_t at = (h / group) * a->head_stride; /* the key/value head */
+        attend_heads(q + r * ldq + h * d, G, kv_at(m, a->K, at), kv_at(m, a->V, at), m->bf16, a->n,
+                     a->keys, d, scale, probs + (int64_t)omp_get_thread_num() * group * S16, S16,
                      heads_out + (int64_t)r * nq + h * d);
     }
     linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, att);

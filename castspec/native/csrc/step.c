@@ -6,7 +6,8 @@
  * Here the whole forward is one call: the products use gemm.c's kernels on packed weights, the rest is layer.h, and every
  * row's bits are independent of the other rows (layer.h), so it takes any number of rows.
  * Weights are read through the pointers in StepModel (built by castspec/native/forward.py); the K/V
- * cache is the fp32 [layers, 1, kv_heads, capacity, head_dim] tensor of castspec/models/kvcache.py.
+ * cache is the [layers, 1, kv_heads, capacity, head_dim] tensor of castspec/models/kvcache.py, in the model's
+ * dtype.
  */
 #include "layer.h"
 
@@ -20,12 +21,12 @@ static void embed_rows(const StepModel *m, const void *table, const int64_t *tok
         }
 }
 
-/* One request's rows in a forward: its cache (fp32 [layers, 1, kv_heads, capacity, head_dim]), where its rows'
- * keys/values go (slots start ..), and what they see: mask [rows, start + rows] (nonzero = visible) or, when
- * NULL, slots [0, start + r] for its row r (a decode step, a causal prefill chunk). Same layout as
- * native/abi.py's Segment. */
+/* One request's rows in a forward: its cache ([layers, 1, kv_heads, capacity, head_dim] in the model's dtype),
+ * where its rows' keys/values go (slots start ..), and what they see: mask [rows, start + rows] (nonzero =
+ * visible) or, when NULL, slots [0, start + r] for its row r (a decode step, a causal prefill chunk). Same
+ * layout as native/abi.py's Segment. */
 typedef struct {
-    float *k, *v;
+    void *k, *v; /* the model's dtype */
     int64_t capacity, start;
     int32_t rows;
     const uint8_t *mask;
@@ -102,13 +103,14 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
         for (int g = 0, r = 0; g < nseg; ++g) { /* every row's keys/values are in place before any row attends */
             const Segment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
+            void *K = kv_at(m, sg->k, layer), *V = kv_at(m, sg->v, layer);
             const int r0 = r;
             FOR_ROWS(sg->rows, j, {
                 const int rj = r0 + j;
                 float *row = proj + (int64_t)rj * qkv;
                 norm_rope_heads(m, L, row, nh, nkv, pos[rj]);
-                write_kv(m, sg->k + layer, sg->v + layer, head_stride, sg->start + j, row + nq, row + nq + nk);
-                see[rj] = (RowAttn){sg->k + layer, sg->v + layer, head_stride, s.nkeys[rj],
+                write_kv(m, K, V, head_stride, sg->start + j, row + nq, row + nq + nk);
+                see[rj] = (RowAttn){K, V, head_stride, s.nkeys[rj],
                                     sg->mask ? s.keys + (int64_t)rj * Smax : NULL};
             });
             r += sg->rows;
