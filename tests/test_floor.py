@@ -17,7 +17,7 @@ def test_verify_cost_is_the_hand_count_from_the_config(config, dtype):
     # q, k, v, o, gate, up, down in every layer and the lm_head (tied or not: read once)
     params = layers * (H * heads * d + 2 * H * kv * d + heads * d * H + 3 * H * inter) + config.vocab_size * H
     weight_item = 4 if dtype == torch.float32 else 2
-    kv_item = 4  # the CPU cache holds fp32 keys and values whatever the weights' dtype
+    kv_item = weight_item  # caches hold the model's dtype
     rows, prefix, batch = 5, 11, 3
     cost = verify_cost(target, rows, prefix, batch)
     assert cost.nbytes == params * weight_item + batch * layers * 2 * kv * d * (prefix + rows) * kv_item
