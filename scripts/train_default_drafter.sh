@@ -42,6 +42,9 @@ DATA9=${DATA9:-data/smollm2-bf16-greedy-s5}
 DATA9T=${DATA9T:-data/smollm2-bf16-t1-s4}
 RUN9=${RUN9:-runs/drafter-smollm2-v14}
 STEPS9=${STEPS9:-1500}
+# leg 10 (v15): a third layer grown from v14 (it starts as v14 exactly), trained on leg 9's datasets
+RUN10=${RUN10:-runs/drafter-smollm2-v15}
+STEPS10=${STEPS10:-1600}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -95,7 +98,11 @@ $CLI train-drafter --data "$DATA5,$DATA5F,$DATA,$DATA3,$DATA4" --out "$RUN7" --l
 $CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN9" --layers 2 --block-size 8 --seqs-per-step 4 --anchors 128 \
     --lr 1.5e-4 --gamma 3 --norm-init ones --init-from "$RUN7/drafter" --draft-vocab "$RUN7/drafter" --steps "$STEPS9" \
     --checkpoint-every 25 --export-every 250 --eval-per-domain 4
-# 10. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 10. leg 10: a third layer grown from v14, on the same two datasets, a fresh cosine cycle at a higher peak
+$CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN10" --layers 3 --block-size 8 --seqs-per-step 4 --anchors 128 \
+    --lr 3e-4 --gamma 3 --norm-init ones --init-from "$RUN9/drafter" --draft-vocab "$RUN9/drafter" --steps "$STEPS10" \
+    --checkpoint-every 25 --export-every 400 --eval-per-domain 4
+# 11. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN9/drafter/config.json" "$RUN9/drafter/model.safetensors" "$RUN9/drafter/draft_vocab.safetensors" \
+cp "$RUN10/drafter/config.json" "$RUN10/drafter/model.safetensors" "$RUN10/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
