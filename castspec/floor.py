@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.kvcache import cache_dtype
 from .native import build as native
 from .round import synchronize
 
@@ -103,9 +102,9 @@ def _matrices(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in module.parameters() if p.dim() == 2]
 
 
-def _kv_bytes(cfg, device, dtype, slots: int) -> int:
-    """Bytes of `slots` cached positions' keys and values over every layer."""
-    item = torch.empty((), dtype=cache_dtype(dtype, device)).element_size()
+def _kv_bytes(cfg, dtype, slots: int) -> int:
+    """Bytes of `slots` cached positions' keys and values over every layer (caches hold the model's dtype)."""
+    item = torch.empty((), dtype=dtype).element_size()
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * slots * item
 
 
@@ -123,7 +122,7 @@ def verify_cost(target, rows: int, prefix: int, batch: int = 1) -> Cost:
     weight_bytes = sum(w.numel() * w.element_size() for w in mats)
     params = sum(w.numel() for w in mats)
     keys = prefix + rows
-    nbytes = weight_bytes + batch * _kv_bytes(target.cfg, target.device, target.dtype, keys)
+    nbytes = weight_bytes + batch * _kv_bytes(target.cfg, target.dtype, keys)
     flops = 2 * params * rows * batch + batch * _attention_flops(target.cfg, rows, keys)
     return Cost(nbytes, flops)
 
@@ -135,7 +134,7 @@ def prefill_cost(target, rows: int) -> Cost:
     layer_mats = _matrices(target.model.layers)
     head = target.head_weight
     nbytes = (sum(w.numel() * w.element_size() for w in [*layer_mats, head])
-              + _kv_bytes(target.cfg, target.device, target.dtype, rows))
+              + _kv_bytes(target.cfg, target.dtype, rows))
     flops = (2 * sum(w.numel() for w in layer_mats) * rows + 2 * head.numel()
              + _attention_flops(target.cfg, 1, rows * (rows + 1) // 2))
     return Cost(nbytes, flops)
@@ -157,7 +156,7 @@ def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0) 
     head_params = head_rows * head.shape[1]
     fc = drafter.fc.weight
     nbytes = (sum(w.numel() * w.element_size() for w in [fc, *layer_mats]) + head_params * head.element_size()
-              + batch * _kv_bytes(c, fc.device, drafter.dtype, prefix))
+              + batch * _kv_bytes(c, drafter.dtype, prefix))
     per_request = (2 * fc.numel() * ctx_rows + 2 * kv_params * ctx_rows
                    + 2 * sum(w.numel() for w in layer_mats) * block
                    + _attention_flops(c, block, prefix + block) + 2 * head_params * c.num_draft_positions)

@@ -34,7 +34,7 @@ import torch
 
 from .config import ConfigError
 from .models.dflash import DraftSegment
-from .models.kvcache import KVCache, Segment, cache_dtype
+from .models.kvcache import KVCache, Segment
 
 log = logging.getLogger("castspec")
 
@@ -240,8 +240,7 @@ class TargetGraphs(_Runner):
         slots = min(self.cfg.max_context, c.max_positions) + 2 * self.cfg.max_bucket + 2
 
         def make():
-            return KVCache(c.num_layers, 1, c.num_kv_heads, slots, c.head_dim, cache_dtype(model.dtype, model.device),
-                           model.device)
+            return KVCache(c.num_layers, 1, c.num_kv_heads, slots, c.head_dim, model.dtype, model.device)
 
         return self._lend(make, capacity, batch, self.cfg.max_bucket)
 
@@ -307,7 +306,7 @@ class DraftGraphs(_Runner):
 
         def make():
             dev = model.fc.weight.device
-            return KVCache(c.num_layers, 1, c.num_kv_heads, slots, c.head_dim, cache_dtype(model.dtype, dev), dev)
+            return KVCache(c.num_layers, 1, c.num_kv_heads, slots, c.head_dim, model.dtype, dev)
 
         return self._lend(make, capacity, batch, self.cfg.max_bucket)
 

@@ -109,9 +109,9 @@ def tiles(request, lib):
 def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, outputs, inner):
     """gemm.c, the whole native forwards' products: the fp32 sums of the rows (bf16 products are exact in fp32,
     so only the summation order differs from torch's) for every row count through several tiles, blocks and
-    threads (on AMX: 1, 2, 3 and 4 groups of 16 rows sharing each weight tile); a row's bits the same alone, in any
-    group and at any place; columns past O left alone. On AVX-512
-    tiles and, where the CPU has them, AMX tiles (inner widths that are multiples of 32)."""
+    threads (on AMX: 1-4 groups of 16 rows, two at a time sharing each weight tile); a row's bits the same alone,
+    in any group and at any place; columns past O left alone. On AVX-512 tiles and, where the CPU has them, AMX
+    tiles (inner widths that are multiples of 32)."""
     g = torch.Generator().manual_seed(outputs)
     w = torch.randn(outputs, inner, generator=g).to(dtype)
     x = torch.randn(70, inner, generator=g).to(dtype)

@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..config import TargetConfig
 from ..native.dispatch import NativeSwitch
 from ..native.linear import WeightPack, linear
-from .kvcache import KVCache, Segment, cache_dtype
+from .kvcache import KVCache, Segment
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 
 
@@ -67,7 +67,7 @@ class Decoder(nn.Module):
             if lent is not None:
                 return lent
         c = self.cfg
-        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, cache_dtype(self.dtype, self.device), self.device)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows in fp32 (the activations' dtype; bf16 rows widen exactly)."""

@@ -19,7 +19,7 @@ from ..config import DrafterConfig
 from ..native.dispatch import NativeSwitch
 from ..native.linear import PanelPack, WeightPack, linear, panel_linear
 from ..tree import Marginals
-from .kvcache import KVCache, cache_dtype
+from .kvcache import KVCache
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
 
 
@@ -135,7 +135,7 @@ class DFlashDrafter(nn.Module):
             if lent is not None:
                 return lent
         c = self.cfg
-        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, cache_dtype(self.dtype, self.fc.weight.device),
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype,
                        self.fc.weight.device)
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:

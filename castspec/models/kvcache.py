@@ -3,20 +3,16 @@
 Slots are storage order, not positions: a packed tree writes its N+1 nodes to consecutive slots while their
 RoPE positions are prefix length + depth. After verification `compact` moves the committed nodes down so
 that slot == position again for everything kept.
+
+Caches hold the model's dtype on every device: keys and values are computed in fp32 and rounded as they are
+written (half the bytes for a bf16 model, which every later row reads back: under load, many requests' caches are
+read as much as the weights). On CPU attention widens them back to fp32 (QKVProjection.sdpa, the native forwards).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-
-def cache_dtype(model_dtype: torch.dtype, device) -> torch.dtype:
-    """The model's dtype on every device: keys and values are computed in fp32 and rounded as they are written
-    (half the bytes for a bf16 model, which every later row reads back: under load, many requests' caches are
-    read as much as the weights). On CPU attention widens them back to fp32 (QKVProjection.sdpa, the native
-    forwards)."""
-    return model_dtype
 
 
 class KVCache:
