@@ -114,8 +114,14 @@ class SharedBudget(Policy):
 
 
 # Before a drafted round has been measured, batched drafting is skipped only where it could not pay even if every
-# request committed this many tokens per round (twice a plain round's) with its tree's nodes verified for free.
+# request committed this many tokens per round (twice a plain round's) from the fewest tree nodes that can commit
+# them (PRIOR_TOKENS - 1 per request: every drafted token it commits was verified).
 PRIOR_TOKENS = 2.0
+
+
+def batch_bucket(batch: int) -> int:
+    """Batches measured together by the cost policy: 2, 3-4, 5-8, 9-16, ... (the next power of two)."""
+    return 1 << max(batch - 1, 0).bit_length()
 
 
 class CostAware(Policy):
@@ -140,18 +146,23 @@ class CostAware(Policy):
     Under load the rates of rounds of different batch sizes do not compare, while the price of drafting does
     change with the batch (a pass for 16 blocks is compute, a plain round of 16 rows a weight read): a batched
     round drafts only where the profile, at the acceptance per request seen so far, prices it above a plain
-    round of the same batch (`draft_could_pay`).
+    round of the same batch (`draft_could_pay`) until drafted rounds of about that batch have been measured;
+    from then on their measured gain over plain rounds of the same batch decides (`gains`): the profile prices
+    neither the host work of many trees nor a pass that also fuses the context of the rounds that did not draft.
     """
 
     name = "cost"
 
     def __init__(self, rule: RoundWidth, top_k_per_position: int = 8, explore_every: int = 8, momentum: float = 0.8,
                  max_explore_every: int = 64, decision_momentum: float = 0.95, min_drafted: int = 6,
-                 try_rounds: int = 3, block_rows: int | None = None):
+                 try_rounds: int = 3, block_rows: int | None = None, max_explore_loaded: int = 256):
         self.rule, self.top_k_per_position = rule, top_k_per_position
         self.block_rows = block_rows  # rows of one request's drafter block: prices a batched pass (draft_could_pay)
         self.explore_every, self.momentum = explore_every, momentum
         self.min_explore, self.max_explore = explore_every, max_explore_every
+        # under load a try that cannot pay waits longer: its drafter pass also fuses the context of every round
+        # its requests did not draft (for 16 requests after 64 plain rounds, a pass of ~1000 context rows)
+        self.max_explore_loaded = max(max_explore_loaded, max_explore_every)
         self.decision_momentum, self.min_drafted, self.try_rounds = decision_momentum, min_drafted, try_rounds
         self.draft_rate: float | None = None  # committed tokens per ms of drafted rounds (slow EMA)
         self.plain_rate: float | None = None  # committed tokens per ms of rounds without a draft
@@ -166,6 +177,10 @@ class CostAware(Policy):
         # per drafting request in a drafted round (EMA): tokens committed and tree nodes verified
         self.request_tokens: float | None = None
         self.request_nodes = 0.0
+        # under load (batch > 1), measured like with like: plain rounds' tokens per ms at each batch, and drafted
+        # rounds' gain over them (EMA) per batch bucket (batch_bucket), read by draft_could_pay once measured
+        self.plain_rates: dict[int, float] = {}
+        self.gains: dict[int, float] = {}
 
     def _plain_rate(self) -> float:
         """Measured once plain rounds have run; before that, the profile's price of a verify of B roots."""
@@ -178,25 +193,32 @@ class CostAware(Policy):
         return min(self.rule.max_width, universe_size(depth, self.top_k_per_position))
 
     def draft_could_pay(self, batch: int) -> bool:
-        """Whether a drafted round of `batch` requests is predicted to commit more per ms than a plain one, both
-        priced by the profile (its batched drafter pass and verify) at the acceptance drafted rounds have shown
-        per request (tokens and nodes). Acceptance does not depend on the batch; the cost of drafting does (a
-        pass for 16 requests' blocks is mostly compute and can cost about a plain round). Before drafted rounds
-        are measured, with PRIOR_TOKENS per request and no node cost. Without batched shapes in the profile, the
-        pass is priced from the single-request pass (CostProfile.batch_draft_at); True where nothing prices it."""
+        """Whether a drafted round of `batch` requests is predicted to commit more per ms than a plain one: the
+        drafted round priced by the profile (its batched drafter pass and verify) at the acceptance drafted rounds
+        have shown per request (tokens and nodes), the plain round measured at this batch once one has run (priced
+        too before). Acceptance does not depend on the batch; the cost of drafting does (a pass for 16 requests'
+        blocks is mostly compute and can cost about a plain round). Before drafted rounds are measured, with
+        PRIOR_TOKENS per request from PRIOR_TOKENS - 1 nodes each. Without batched shapes in the profile, the pass
+        is priced from the single-request pass (CostProfile.batch_draft_at); True where nothing prices it. Once
+        drafted rounds of about this batch have been measured, their gain over plain rounds decides instead."""
+        gain = self.gains.get(batch_bucket(batch))
+        if gain is not None:
+            return gain >= 1.0
         prof = self.rule.profile
         prefix = prof.prefix_lens[0]
         draft = prof.batch_draft_at(batch, prefix, self.block_rows)
         if draft is None:
             return True
-        tokens, nodes = (PRIOR_TOKENS, 0.0) if self.request_tokens is None else (self.request_tokens,
-                                                                                 self.request_nodes * batch)
+        tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * batch) if self.request_tokens is None else \
+            (self.request_tokens, self.request_nodes * batch)
         drafted_ms = draft + prof.batch_verify_at(batch, batch + nodes, prefix) + prof.batch_host_at(batch, nodes)
-        return batch * tokens / max(drafted_ms, 1e-6) >= batch / max(prof.plain_round_ms(batch, prefix), 1e-6)
+        return batch * tokens / max(drafted_ms, 1e-6) >= self._batch_plain_rate(batch)
 
     def should_draft(self, batch: int = 1) -> bool:
         if self.burst is not None:
             return True
+        if batch > 1 and batch_bucket(batch) in self.gains:
+            return self.draft_could_pay(batch)  # under load: drafted rounds measured against plain ones
         if batch > 1 and not self.draft_could_pay(batch):
             return False  # under load the profile prices drafting out, whatever it has measured so far
         if self.drafted < self.min_drafted or self.draft_rate is None:
@@ -222,18 +244,30 @@ class CostAware(Policy):
     def observe(self, tree: Tree, path: list[int]) -> None:
         self.rule.observe(tree, path)
 
+    def _batch_plain_rate(self, batch: int) -> float:
+        """Tokens per ms of a plain round of `batch` requests: measured, else the profile's price."""
+        rate = self.plain_rates.get(batch)
+        if rate is not None:
+            return rate
+        prof = self.rule.profile
+        return batch / max(prof.plain_round_ms(batch, prof.prefix_lens[0]), 1e-6)
+
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
         rate = committed / max(round_ms, 1e-6)
         if not drafted:
             self.skipped += 1
             self.plain_rate = rate if self.plain_rate is None else \
                 self.momentum * self.plain_rate + (1 - self.momentum) * rate
-            # a plain round commits one token per request: `committed` is its batch. Under load, a try that the
-            # profile says cannot pay at this batch waits for the longest gap (the acceptance it assumes may be
-            # stale); one request's tries go by the measured rates alone, which compare like with like
+            # a plain round commits one token per request: `committed` is its batch. Under load, a try that
+            # cannot pay at this batch (draft_could_pay) waits for the longest gap under load (the acceptance it
+            # assumes may be stale); one request's tries go by the measured rates alone, which compare like with
+            # like
             batch = committed
+            if batch > 1:
+                old = self.plain_rates.get(batch)
+                self.plain_rates[batch] = rate if old is None else self.momentum * old + (1 - self.momentum) * rate
             if self.skipped >= self.explore_every and (batch == 1 or self.draft_could_pay(batch)
-                                                       or self.skipped >= self.max_explore):
+                                                       or self.skipped >= self.max_explore_loaded):
                 self.burst = [self.try_rounds, 0.0, 0.0]
             return
         first = self.drafted == 0
@@ -248,6 +282,12 @@ class CostAware(Policy):
         if first:
             return
         self.rule.update(committed, round_ms)
+        if self.batch > 1:
+            # a try after a plain stretch counts with its pass fusing that stretch's context: a try that loses
+            # for that reason keeps drafting off under load, which errs on the side of plain rounds
+            gain, key = rate / self._batch_plain_rate(self.batch), batch_bucket(self.batch)
+            old = self.gains.get(key)
+            self.gains[key] = gain if old is None else self.momentum * old + (1 - self.momentum) * gain
         if self.burst is None:
             self.rated += self.batch
             # a plain mean until it holds ~20 request-rounds, then an EMA with that memory

@@ -59,6 +59,14 @@ class DraftState:
     def add_context(self, features: torch.Tensor) -> None:
         self._chunks.append(features)
 
+    def snapshot(self) -> tuple[int, list[torch.Tensor]]:
+        """What `restore` needs to undo a round: the cache length and the pending chunks as they are (not joined:
+        a request that does not draft for many rounds would otherwise copy all it has pending every round)."""
+        return self.cache.length, list(self._chunks)
+
+    def restore(self, snap: tuple[int, list[torch.Tensor]]) -> None:
+        self.cache.length, self._chunks = snap[0], list(snap[1])
+
     def propose(self, target: Decoder, root: int, depth: int) -> Marginals:
         """Log-probabilities [depth, V] of the next `depth` tokens after `root` (at position = context end), with
         their support."""

@@ -119,6 +119,19 @@ def _ties_by_token_id(row: torch.Tensor, support: torch.Tensor | None, vals: lis
     return [-v for v, _ in ranked], [t for _, t in ranked]
 
 
+def _joined(rows: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of 2-d tensors, without the copy when they already lie one after the other in one storage (the
+    per-request parts of a batched pass, Marginals.split)."""
+    first = rows[0]
+    end = first.storage_offset()
+    for t in rows:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != end or t.shape[1:] != first.shape[1:]):
+            return torch.cat(rows)
+        end += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in rows), *first.shape[1:]), first.stride())
+
+
 def _topk_tables(logprobs: list[torch.Tensor], k: int, supports: list[torch.Tensor | None]):
     """_topk_lists of every request, with one top-k over all requests that share a support (a batched drafter
     pass gives them all the same one): under load, one call for 16 requests' blocks instead of 16."""
@@ -132,7 +145,7 @@ def _topk_tables(logprobs: list[torch.Tensor], k: int, supports: list[torch.Tens
             r = members[0]
             tables[r] = _topk_lists(logprobs[r], k, supports[r])
             continue
-        vals, ids = _topk_lists(torch.cat([logprobs[r] for r in members]), k, supports[members[0]])
+        vals, ids = _topk_lists(_joined([logprobs[r] for r in members]), k, supports[members[0]])
         start = 0
         for r in members:
             end = start + logprobs[r].shape[0]

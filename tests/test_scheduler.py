@@ -301,11 +301,11 @@ def test_cost_policy_skips_tries_the_profile_prices_out_under_load(batch_draft_m
     prof = flat_profile(0.0)
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": batch_draft_ms}}
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
-                       max_explore_every=16)
+                       max_explore_every=16, max_explore_loaded=16)
     assert policy.should_draft(1) and policy.should_draft(16) == tries  # before any measurement: PRIOR_TOKENS
-    policy.batch, policy.nodes = 16, 16
-    policy.update(24, 200.0)  # warm-up round
-    policy.update(24, 300.0)  # 0.08 tokens/ms, against plain rounds' 0.8 below
+    policy.batch, policy.nodes = 2, 2  # the acceptance is measured on rounds of 2 requests, none of 16 yet
+    policy.update(3, 200.0)  # warm-up round
+    policy.update(3, 300.0)
     assert policy.request_tokens == pytest.approx(1.5) and policy.request_nodes == pytest.approx(1.0)
     assert policy.draft_could_pay(16) == tries and policy.draft_could_pay(1)
     drafted_after = []
@@ -316,6 +316,43 @@ def test_cost_policy_skips_tries_the_profile_prices_out_under_load(batch_draft_m
             drafted_after.append(plain_round)
             break
     assert drafted_after == ([4] if tries else [16])
+
+
+@pytest.mark.parametrize("verify_32_ms,drafts", [(40.0, False), (30.0, True)])
+def test_cost_policy_prior_under_load_pays_for_the_nodes_its_tokens_need(verify_32_ms, drafts):
+    # before any drafted round, 2 tokens per request are assumed, which takes one verified node each: 16
+    # requests verify 32 rows. At 40 ms for those rows that cannot beat plain rounds of 16 in 20 ms (the same 16
+    # rows and 2x the tokens at 2x the time, plus the pass); at 30 ms it can. With the nodes free it would look like
+    # 1.5x either way.
+    prof = flat_profile(0.0)
+    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, verify_32_ms, 80.0], "draft_ms": 1.0}}
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None))
+    assert policy.should_draft(16) == drafts and policy.should_draft(1)
+
+
+@pytest.mark.parametrize("drafted_ms,drafts", [(40.0, False), (25.0, True)])
+def test_cost_policy_under_load_goes_by_drafted_rounds_measured_at_that_batch(drafted_ms, drafts):
+    # the profile prices a pass for 16 blocks at 1 ms, so drafting looks like it pays at 16; measured, a drafted
+    # round of 16 commits 24 tokens in `drafted_ms` against plain rounds of 16 in 20 ms (0.8 tokens/ms). Slow
+    # rounds of one request meanwhile make the rates over all batches say the opposite of the batch's own.
+    prof = flat_profile(0.0)
+    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": 1.0}}
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
+                       max_explore_every=16, max_explore_loaded=16)
+    assert policy.should_draft(16)
+    policy.update(16, 20.0, drafted=False)
+    policy.batch, policy.nodes = 16, 16
+    policy.update(24, 200.0)  # warm-up round
+    policy.update(24, drafted_ms)
+    assert policy.draft_could_pay(16) == drafts and policy.should_draft(12) == drafts  # 9-16 measured together
+    policy.batch = 1
+    policy.update(2, 100.0 if drafts else 2.0)  # one request's drafted rounds: far slower / faster than plain
+    decisions = []
+    for _ in range(17):
+        decisions.append(policy.should_draft(16))
+        policy.update(16, 20.0, drafted=False) if not decisions[-1] else None
+    # losing at 16 it tries only after the longest gap; winning it keeps drafting
+    assert decisions == ([True] * 17 if drafts else [False] * 16 + [True])
 
 
 @pytest.mark.parametrize("slope,drafts", [(1.0, False), (0.0, True)])
@@ -347,6 +384,15 @@ def test_pending_features_join_in_order_when_read(models):
     assert torch.equal(state.pending, torch.cat([chunks[0][:, 2:], chunks[1]], dim=1))
     state.pending = None
     assert state.pending is None
+    # a round's rollback restores the cache length and the pending chunks, which a snapshot does not join
+    state.add_context(chunks[0])
+    state.add_context(chunks[1])
+    snap = state.snapshot()
+    assert len(state._chunks) == 2
+    state.add_context(chunks[2])
+    state.cache.length = 7
+    state.restore(snap)
+    assert state.cache.length == 0 and torch.equal(state.pending, torch.cat(chunks[:2], dim=1))
 
 
 def test_cost_policy_measures_a_plain_round_before_trusting_the_profile():
@@ -383,13 +429,15 @@ def test_cost_policy_keeps_a_drafter_that_wins_on_average_through_bad_runs():
 
 
 def test_cost_policy_counts_request_rounds_under_load():
-    # 16 requests per round: the burn-in and a try each take one round, not 6 and 3
-    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4)
+    # 16 requests per round: the burn-in and a try each take one round, not 6 and 3. Drafting measured losing
+    # at 16, the try waits for the longest gap (8 rounds here)
+    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4,
+                       max_explore_every=8, max_explore_loaded=8)
     policy.batch = 16  # what allocate() records for a round of 16 drafting requests
     policy.update(16, 200.0)  # warm-up round
     policy.update(16, 400.0)  # 0.04 tokens/ms against plain rounds of 16 tokens in 10 ms
     assert not policy.should_draft()  # burn-in done after one round of 16: measure a plain round
-    for _ in range(4):
+    for _ in range(8):
         assert not policy.should_draft()
         policy.update(16, 10.0, drafted=False)
     assert policy.should_draft()  # a try

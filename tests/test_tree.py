@@ -166,6 +166,12 @@ def test_requests_that_share_a_support_get_the_trees_each_would_get_alone():
         for tree, single in zip(forest, alone):
             assert tree.tokens == single.tokens[:len(tree.tokens)]
             assert tree.scores == single.scores[:len(tree.scores)]
+    # the blocks as a batched pass leaves them (views one after the other in one tensor) give the same trees,
+    # with the top-k read over that tensor without joining them again; in another order they are joined
+    views = list(torch.cat(blocks).split([b.shape[0] for b in blocks]))
+    for order in ([0, 1, 2, 3], [2, 0, 3, 1]):
+        got = build_forest([views[i] for i in order], 63, 8, None, [support] * 4)
+        assert got == build_forest([blocks[i] for i in order], 63, 8, None, [support] * 4)
 
 
 def test_equal_log_probabilities_rank_by_token_id():

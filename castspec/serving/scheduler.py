@@ -191,14 +191,14 @@ class Scheduler:
 
     def _round(self, batch: list[Request]) -> None:
         seqs = [r.seq for r in batch]
-        snapshot = [(s.draft.cache.length, s.draft.pending) if s.draft is not None else None for s in seqs]
+        snapshot = [s.draft.snapshot() if s.draft is not None else None for s in seqs]
         try:
             with torch.inference_mode():
                 out = run_round(self.target, self.drafter, seqs, self.policy, self.cfg.prefill_budget)
         except Exception:
             for s, snap in zip(seqs, snapshot):  # nothing was committed: restore the drafter's view
                 if snap is not None:
-                    s.draft.cache.length, s.draft.pending = snap
+                    s.draft.restore(snap)
             raise
         m = self.metrics
         m.rounds += 1
