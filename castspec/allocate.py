@@ -219,6 +219,11 @@ class CostAware(Policy):
             return True
         if batch > 1 and batch_bucket(batch) in self.gains:
             return self.draft_could_pay(batch)  # under load: drafted rounds measured against plain ones
+        if batch > 1 and not any(batch_bucket(b) == batch_bucket(batch) for b in self.plain_rates):
+            # under load, as for one request: a plain round of about this batch is measured first (it is what
+            # drafting must beat, and a drafted round sets requests apart, which spreads their newcomers'
+            # prompts over many rounds for good)
+            return False
         if batch > 1 and not self.draft_could_pay(batch):
             return False  # under load the profile prices drafting out, whatever it has measured so far
         if self.drafted < self.min_drafted or self.draft_rate is None:
@@ -279,15 +284,16 @@ class CostAware(Policy):
         else:
             self.request_tokens = self.momentum * self.request_tokens + (1 - self.momentum) * tokens
             self.request_nodes = self.momentum * self.request_nodes + (1 - self.momentum) * nodes
-        if first:
-            return
-        self.rule.update(committed, round_ms)
         if self.batch > 1:
-            # a try after a plain stretch counts with its pass fusing that stretch's context: a try that loses
-            # for that reason keeps drafting off under load, which errs on the side of plain rounds
+            # under load every request's first drafted round reads its prompt's features, so the policy's first
+            # one counts here; so does a try's, whose pass also fuses the context of the rounds before it. Both
+            # err on the side of plain rounds
             gain, key = rate / self._batch_plain_rate(self.batch), batch_bucket(self.batch)
             old = self.gains.get(key)
             self.gains[key] = gain if old is None else self.momentum * old + (1 - self.momentum) * gain
+        if first:
+            return
+        self.rule.update(committed, round_ms)
         if self.burst is None:
             self.rated += self.batch
             # a plain mean until it holds ~20 request-rounds, then an EMA with that memory

@@ -228,6 +228,19 @@ def test_queue_limit_and_cancellation(models):
     assert sched.metrics.snapshot()["rejected"] == 1
 
 
+def test_the_round_hook_sees_every_round(models):
+    target, drafter = models
+    sched = Scheduler(target, drafter, SchedulerConfig(max_batch=2, policy="shared", width=8))
+    seen = []
+    sched.on_round = seen.append
+    for p in prompts(3, seed=4):
+        sched.submit(Request(p, DecodeConfig(max_new_tokens=6), lambda t: None, lambda r, e: None))
+    while sched.step():
+        pass
+    assert len(seen) == sched.metrics.rounds and sum(o.prefill_tokens for o in seen) == sched.metrics.prefill_tokens
+    assert sum(o.accepted + 1 for out in seen for o in out.sequences if o.verified) == sched.metrics.committed
+
+
 def test_a_failing_request_does_not_take_down_the_batch(models, monkeypatch):
     target, drafter = models
     ps = prompts(3, seed=11)
@@ -302,7 +315,9 @@ def test_cost_policy_skips_tries_the_profile_prices_out_under_load(batch_draft_m
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": batch_draft_ms}}
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
                        max_explore_every=16, max_explore_loaded=16)
-    assert policy.should_draft(1) and policy.should_draft(16) == tries  # before any measurement: PRIOR_TOKENS
+    assert policy.should_draft(1) and not policy.should_draft(16)  # under load a plain round is measured first
+    policy.update(16, 20.0, drafted=False)
+    assert policy.should_draft(16) == tries  # before any drafted round: PRIOR_TOKENS
     policy.batch, policy.nodes = 2, 2  # the acceptance is measured on rounds of 2 requests, none of 16 yet
     policy.update(3, 200.0)  # warm-up round
     policy.update(3, 300.0)
@@ -327,7 +342,9 @@ def test_cost_policy_prior_under_load_pays_for_the_nodes_its_tokens_need(verify_
     prof = flat_profile(0.0)
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, verify_32_ms, 80.0], "draft_ms": 1.0}}
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None))
-    assert policy.should_draft(16) == drafts and policy.should_draft(1)
+    assert not policy.should_draft(16) and policy.should_draft(1)  # under load a plain round is measured first
+    policy.update(16, 20.0, drafted=False)
+    assert policy.should_draft(16) == drafts
 
 
 @pytest.mark.parametrize("drafted_ms,drafts", [(40.0, False), (25.0, True)])
@@ -339,10 +356,10 @@ def test_cost_policy_under_load_goes_by_drafted_rounds_measured_at_that_batch(dr
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": 1.0}}
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
                        max_explore_every=16, max_explore_loaded=16)
-    assert policy.should_draft(16)
     policy.update(16, 20.0, drafted=False)
+    assert policy.should_draft(16)
     policy.batch, policy.nodes = 16, 16
-    policy.update(24, 200.0)  # warm-up round
+    policy.update(24, drafted_ms)  # under load the first drafted round counts too
     policy.update(24, drafted_ms)
     assert policy.draft_could_pay(16) == drafts and policy.should_draft(12) == drafts  # 9-16 measured together
     policy.batch = 1
@@ -367,6 +384,7 @@ def test_cost_policy_prices_a_batched_pass_from_one_request_without_batched_shap
     assert prof.batch_draft_at(16, 0.0, 16) == pytest.approx(5 * prof.verify_at(256, 0.0) / prof.verify_at(16, 0.0))
     assert prof.batch_draft_at(1, 0.0, 16) == prof.draft_at(0.0)
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), block_rows=16)
+    policy.update(16, prof.plain_round_ms(16, 0.0), drafted=False)
     assert policy.should_draft(1) and policy.should_draft(16) == drafts
     assert make_policy(PolicySpec.parse("cost"), 15, prof).block_rows == 16
 

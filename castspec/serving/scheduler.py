@@ -26,7 +26,7 @@ from ..allocate import PolicySpec, make_policy
 from ..config import DecodeConfig
 from ..cost import CostProfile
 from ..native.threads import release_workers
-from ..round import run_round, warm_up
+from ..round import RoundOutput, run_round, warm_up
 from ..sequence import Sequence, check_request
 
 log = logging.getLogger("castspec.scheduler")
@@ -138,6 +138,7 @@ class Scheduler:
         self.policy = make_policy(self.cfg.policy_spec(method), L, profile)
         self.max_nodes = self.policy.max_nodes(L) if self.policy is not None else 0
         self.metrics = Metrics()
+        self.on_round: Callable[[RoundOutput], None] | None = None  # sees every round (castspec.bench.load_rounds)
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
         self._lock = threading.Condition()
@@ -200,6 +201,8 @@ class Scheduler:
                 if snap is not None:
                     s.draft.restore(snap)
             raise
+        if self.on_round is not None:
+            self.on_round(out)
         m = self.metrics
         m.rounds += 1
         decoding = sum(1 for o in out.sequences if o.verified)

@@ -1,0 +1,101 @@
+"""Where a load test's time goes (JSON): the scheduler in-process on the load test's prompts, every round logged.
+
+    python -m castspec.bench.load_rounds --batch 16 --requests 64 --out runs/load-rounds.json
+        [--policies ar,cost] [--max-tokens 48] [--repeats 2] [--plain-too]
+
+`castspec loadtest` measures goodput through HTTP; this runs the same closed loop (`--requests` requests over
+`--batch` slots, the held-out prompts in the load test's order) by stepping the scheduler itself, and splits its
+rounds by kind: rounds that also read a newcomer's prompt, drafted rounds, plain rounds. Per kind: rounds, time in
+the drafter pass / verify forward / host work, tokens committed, prompt tokens. `--plain-too` adds the cost policy
+with drafting switched off, which prices what a drafting-capable request costs when it does not draft (the
+drafter's features, its state). Policies alternate within each repeat (the machine's speed drifts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from ..engine import load
+from ..prompts import heldout_prompts
+from ..round import warm_up
+from ..serving.scheduler import Request, SchedulerConfig
+
+
+def run(engine, spec: str, batch: int, requests: int, max_tokens: int) -> dict:
+    """One closed loop; `spec` is "ar", a policy name for `cast`, or "<policy>-plain" (never drafts)."""
+    method, policy = ("ar", "cost") if spec == "ar" else ("cast", spec.removesuffix("-plain"))
+    prompts = heldout_prompts(8)
+    messages = [[{"role": "user", "content": p.text}] for p in prompts]
+    random.Random(0).shuffle(messages)  # the load test's order
+    sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=policy,
+                                             width="auto"), method)
+    if spec.endswith("-plain"):
+        sched.policy.should_draft = lambda batch=1: False  # this run's policy object only
+    rounds, done = [], []
+
+    def log(out) -> None:
+        verified = [o for o in out.sequences if o.verified]
+        rounds.append({"decoding": len(verified), "drafted": out.draft_ms > 0, "draft_ms": out.draft_ms,
+                       "verify_ms": out.verify_ms, "host_ms": out.host_ms, "rows": out.packed,
+                       "prefill_tokens": out.prefill_tokens, "committed": sum(o.accepted + 1 for o in verified)})
+
+    sched.on_round = log
+    warm_up(engine.target, sched.drafter)  # one-time costs, which Scheduler.run pays before serving
+    for i in range(requests):
+        ids = engine.encode(messages=messages[i % len(messages)])
+        # every request runs to max_tokens, as the load test's do
+        cfg = engine.config(method=method, max_new_tokens=max_tokens, stop_token_ids=())
+        sched.submit(Request(list(ids), cfg, lambda _t: None, lambda reason, _e: done.append(reason)))
+    t = time.perf_counter()
+    with torch.inference_mode():
+        while len(done) < requests:
+            sched.step()
+    wall = time.perf_counter() - t
+    kinds = {}
+    for r in rounds:
+        kind = "prefill" if r["prefill_tokens"] else "drafted" if r["drafted"] else "plain"
+        k = kinds.setdefault(kind, {"rounds": 0, "draft_ms": 0.0, "verify_ms": 0.0, "host_ms": 0.0, "committed": 0,
+                                    "prefill_tokens": 0, "rows": 0})
+        k["rounds"] += 1
+        for key in ("draft_ms", "verify_ms", "host_ms", "committed", "prefill_tokens", "rows"):
+            k[key] += r[key]
+    in_rounds = sum(r["draft_ms"] + r["verify_ms"] + r["host_ms"] for r in rounds)
+    return {"policy": spec, "batch": batch, "requests": requests, "tokens": requests * max_tokens, "wall_s": wall,
+            "tokens_per_s": requests * max_tokens / wall, "in_rounds_ms": in_rounds,
+            "outside_rounds_ms": wall * 1e3 - in_rounds, "kinds": kinds, "rounds": rounds}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--policies", default="ar,cost")
+    p.add_argument("--plain-too", action="store_true", help="also the cost policy with drafting switched off")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="runs/load-rounds.json")
+    args = p.parse_args(argv)
+    specs = [s.strip() for s in args.policies.split(",") if s.strip()] + (["cost-plain"] if args.plain_too else [])
+    engine = load()
+    results = []
+    for rep in range(args.repeats):
+        for spec in specs:
+            res = run(engine, spec, args.batch, args.requests, args.max_tokens)
+            results.append({"repeat": rep, **res})
+            print(json.dumps({k: res[k] for k in ("policy", "batch", "tokens_per_s", "in_rounds_ms",
+                                                   "outside_rounds_ms")}
+                             | {kind: {"rounds": v["rounds"], "ms": round(v["draft_ms"] + v["verify_ms"] + v["host_ms"]),
+                                       "committed": v["committed"]} for kind, v in res["kinds"].items()}))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(args), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
