@@ -5,7 +5,7 @@
 #   scripts/paired_loadtest.sh BASE OUT [loadtest arguments...]
 # default arguments: --policies ar,cost --concurrency 1,16 --requests 32 --max-tokens 48
 set -euo pipefail
-BASE=$1; OUT=$2; shift 2
+BASE=$1; OUT=$(realpath -m "$2"); shift 2  # absolute: the base runs from its worktree
 ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(--policies ar,cost --concurrency 1,16 --requests 32 --max-tokens 48)
 ROUNDS=${ROUNDS:-2}

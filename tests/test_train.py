@@ -371,10 +371,23 @@ def test_draft_vocab_command(tiny_data, tmp_path, capsys):
     counts = torch.bincount(torch.tensor([t for r in records for t in r["response_ids"]]), minlength=32)
     assert report["train_coverage"] == pytest.approx(counts[vocab].sum().item() / counts.sum().item())
     assert counts[vocab].min() >= counts.sort(descending=True).values[11]  # the 12 most frequent tokens
+    # --grow keeps the current vocabulary (even its rarest tokens) and adds the most frequent others; datasets
+    # given as a comma list count together
+    rare = torch.tensor(sorted(counts.sort().indices[:5].tolist()))
+    save_draft_vocab(drafter_dir, rare)
+    both = str(tmp_path / "data") + "," + str(tmp_path / "data")
+    grow = ["draft-vocab", "--drafter", str(drafter_dir), "--data", both, "--target", str(tmp_path / "target")]
+    assert main(grow + ["--size", "12", "--grow"]) == 0
+    grown = load_drafter(drafter_dir, target).draft_vocab
+    assert len(grown) == 12 and set(rare.tolist()) <= set(grown.tolist())
+    assert json.loads(capsys.readouterr().out)["train_coverage"] == pytest.approx(
+        counts[grown].sum().item() / counts.sum().item())
+    assert main(grow + ["--size", "4", "--grow"]) == 2 and "larger than --size" in capsys.readouterr().err
     assert main(args + ["--size", "0"]) == 0 and load_drafter(drafter_dir, target).draft_vocab is None
     capsys.readouterr()
     for bad, msg in [(["--size", "33"], "--size must be"), (["--data", str(tmp_path)], "no training data"),
-                     (["--drafter", str(tmp_path)], "not a drafter directory")]:
+                     (["--drafter", str(tmp_path)], "not a drafter directory"),
+                     (["--size", "12", "--grow"], "no draft vocabulary to grow")]:
         assert main(args + bad) == 2
         assert msg in capsys.readouterr().err
 

@@ -40,8 +40,8 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int) -> dict:
 
     def log(out) -> None:
         verified = [o for o in out.sequences if o.verified]
-        rounds.append({"decoding": len(verified), "drafted": out.draft_ms > 0, "draft_ms": out.draft_ms,
-                       "verify_ms": out.verify_ms, "host_ms": out.host_ms, "rows": out.packed,
+        rounds.append({"decoding": len(verified), "drafted": out.draft_ms > 0, "draft_ms": round(out.draft_ms, 3),
+                       "verify_ms": round(out.verify_ms, 3), "host_ms": round(out.host_ms, 3), "rows": out.packed,
                        "prefill_tokens": out.prefill_tokens, "committed": sum(o.accepted + 1 for o in verified)})
 
     sched.on_round = log
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
                                        "committed": v["committed"]} for kind, v in res["kinds"].items()}))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "results": results}, indent=1))
+    # compact: every round of every run is in it
+    out.write_text(json.dumps({"config": vars(args), "results": results}, separators=(",", ":")))
     return 0
 
 

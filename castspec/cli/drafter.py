@@ -28,13 +28,15 @@ def cmd_diagnose_drafter(args) -> int:
 
 
 def cmd_draft_vocab(args) -> int:
-    drafter_dir, data = Path(args.drafter), Path(args.data)
+    drafter_dir, dirs = Path(args.drafter), [Path(d) for d in args.data.split(",") if d]
     if not (drafter_dir / "config.json").is_file():
         raise UserError(f"{drafter_dir} is not a drafter directory (no config.json)")
-    if not shard_files(data):
-        raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` first")
+    for data in dirs:
+        if not shard_files(data):
+            raise UserError(f"no training data in {data}: run `castspec make-data --out {data}` first")
     loaded = load_target(args.target)
-    load_drafter(drafter_dir, loaded.model)  # refuse a drafter made for another target before writing anything
+    # refuse a drafter made for another target before writing anything
+    drafter = load_drafter(drafter_dir, loaded.model)
     vocab = loaded.model.cfg.vocab_size
     if not 0 <= args.size <= vocab:
         raise UserError(f"--size must be between 1 and the vocabulary size {vocab} (or 0: the whole vocabulary)")
@@ -42,11 +44,18 @@ def cmd_draft_vocab(args) -> int:
     if args.size == 0 or args.size == vocab:
         save_draft_vocab(drafter_dir, None)
         return print_report({"drafter": str(drafter_dir), "draft_vocab": "full"})
-    records = load_records(data)
-    ids = top_tokens(token_counts(records, vocab), args.size, tuple(loaded.model.cfg.eos_token_ids))
+    records = [r for data in dirs for r in load_records(data)]
+    keep = tuple(loaded.model.cfg.eos_token_ids)
+    if args.grow:
+        if drafter.draft_vocab is None:
+            raise UserError(f"--grow: {drafter_dir} has no draft vocabulary to grow")
+        if drafter.draft_vocab.numel() > args.size:
+            raise UserError(f"--grow: the current draft vocabulary ({drafter.draft_vocab.numel()}) is larger than --size")
+        keep += tuple(drafter.draft_vocab.tolist())  # the tokens its head was trained to score stay
+    ids = top_tokens(token_counts(records, vocab), args.size, keep)
     save_draft_vocab(drafter_dir, ids)
     report = {"drafter": str(drafter_dir), "draft_vocab": len(ids), "train_coverage": coverage(records, ids)}
-    held = sorted(data.glob("heldout-*.pt"))
+    held = sorted(dirs[0].glob("heldout-*.pt"))
     if held:  # the prompts training never saw: what decoding on new prompts will meet
         report["heldout_coverage"] = coverage(torch.load(held[-1], weights_only=True), ids)
     return print_report(report)
@@ -87,8 +96,11 @@ def register(sub) -> None:
                                    "target's responses in a make-data dataset (plus its stop tokens). The drafter "
                                    "head then reads only those rows of the lm_head; decoding stays exact.")
     v.add_argument("--drafter", required=True, help="drafter directory (public DFlash layout)")
-    v.add_argument("--data", required=True, help="dataset directory from make-data")
+    v.add_argument("--data", required=True, help="dataset directory from make-data, or several separated by commas")
     v.add_argument("--size", type=int, default=16384, help="tokens to keep; 0 removes the draft vocabulary")
+    v.add_argument("--grow", action="store_true",
+                   help="keep the drafter's current draft vocabulary and add the most frequent other tokens up to "
+                        "SIZE (its head was trained on those)")
     v.add_argument("--target", default=None)
     v.set_defaults(func=cmd_draft_vocab)
 
