@@ -8,6 +8,7 @@ import pytest
 from castspec.bench import agreement
 from castspec.bench import engine as engine_bench
 from castspec.bench import products as products_bench
+from castspec.bench import load_rounds as load_rounds_bench
 from castspec.bench import rounds as rounds_bench
 from castspec.bench.harness import MethodSpec, builtin_prompts
 from castspec.bench.stats import paired_bootstrap
@@ -153,6 +154,31 @@ def test_rounds_benchmark_end_to_end(tmp_path, capsys):
     with pytest.raises(SystemExit):
         rounds_bench.main(["--policy", "fast", "--out", str(out)])
     assert "unknown policy spec" in capsys.readouterr().err
+
+
+def test_load_rounds_benchmark_end_to_end(tmp_path, capsys):
+    """`python -m castspec.bench.load_rounds` on a tiny target and drafter: every round of the closed loop is
+    logged and split by kind, in process (every request runs to --max-tokens: the tokens the rounds committed plus
+    each request's first, from its prompt) and through HTTP; the cost policy with drafting off drafts nothing."""
+    hf = make_hf(llama_config(vocab=24))
+    hf.save_pretrained(tmp_path / "target")
+    tiny_tokenizer(24).save_pretrained(tmp_path / "target")
+    save_drafter(random_drafter(native(hf)), tmp_path / "drafter")
+    out = tmp_path / "load.json"
+    assert load_rounds_bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                                   "--dtype", "fp32", "--batch", "2", "--requests", "3", "--max-tokens", "5",
+                                   "--policies", "ar,cost", "--plain-too", "--http", "--repeats", "1",
+                                   "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["policy"], r["http"]) for r in results] == [(p, h) for p in ("ar", "cost", "cost-plain")
+                                                           for h in (False, True)]
+    for r in results:
+        kinds, rounds = r["kinds"], r["rounds"]
+        assert sum(k["rounds"] for k in kinds.values()) == len(rounds) > 0
+        assert all(x["decoding"] <= 2 for x in rounds) and r["tokens_per_s"] > 0
+        if not r["http"]:
+            assert sum(x["committed"] for x in rounds) + 3 == r["tokens"] == 15
+        assert ("drafted" in kinds) <= (r["policy"] == "cost")
 
 
 def test_agreement_end_to_end(bench_dirs, tmp_path, capsys):

@@ -1,18 +1,20 @@
 """Where a load test's time goes (JSON): the scheduler in-process on the load test's prompts, every round logged.
 
     python -m castspec.bench.load_rounds --batch 16 --requests 64 --out runs/load-rounds.json
-        [--policies ar,cost] [--max-tokens 48] [--repeats 2] [--plain-too]
+        [--policies ar,cost] [--max-tokens 48] [--repeats 2] [--plain-too] [--http] [--target T --drafter D]
 
 `castspec loadtest` measures goodput through HTTP; this runs the same closed loop (`--requests` requests over
 `--batch` slots, the held-out prompts in the load test's order) by stepping the scheduler itself, and splits its
 rounds by kind: rounds that also read a newcomer's prompt, drafted rounds, plain rounds. Per kind: rounds, time in
 the drafter pass / verify forward / host work, tokens committed, prompt tokens. `--plain-too` adds the cost policy
 with drafting switched off, which prices what a drafting-capable request costs when it does not draft (the
-drafter's features, its state). Policies alternate within each repeat (the machine's speed drifts).
+drafter's features, its state); `--http` runs each also through the load test's own clients and server (loopback,
+the scheduler on its thread), with the same split. Runs alternate within each repeat (the machine's speed drifts).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import time
@@ -23,11 +25,16 @@ import torch
 from ..engine import load
 from ..prompts import heldout_prompts
 from ..round import warm_up
+from ..serving.frontend import ServerConfig
+from ..serving.live import LiveServer
+from ..serving.loadtest import run_load
 from ..serving.scheduler import Request, SchedulerConfig
+from ..serving.server import create_app
 
 
-def run(engine, spec: str, batch: int, requests: int, max_tokens: int) -> dict:
-    """One closed loop; `spec` is "ar", a policy name for `cast`, or "<policy>-plain" (never drafts)."""
+def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: bool = False) -> dict:
+    """One closed loop; `spec` is "ar", a policy name for `cast`, or "<policy>-plain" (never drafts). `http`:
+    through the load test's clients and server instead of stepping the scheduler here."""
     method, policy = ("ar", "cost") if spec == "ar" else ("cast", spec.removesuffix("-plain"))
     prompts = heldout_prompts(8)
     messages = [[{"role": "user", "content": p.text}] for p in prompts]
@@ -45,6 +52,10 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int) -> dict:
                        "prefill_tokens": out.prefill_tokens, "committed": sum(o.accepted + 1 for o in verified)})
 
     sched.on_round = log
+    if http:  # the load test itself: its clients, the server on loopback, the scheduler on its own thread
+        with LiveServer(create_app(engine, sched, ServerConfig())) as url:
+            res = asyncio.run(run_load(url, messages, batch, requests, max_tokens))
+        return summary(spec, batch, requests, res["tokens"], res["wall_s"], rounds) | {"http": True}
     warm_up(engine.target, sched.drafter)  # one-time costs, which Scheduler.run pays before serving
     for i in range(requests):
         ids = engine.encode(messages=messages[i % len(messages)])
@@ -56,6 +67,11 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int) -> dict:
         while len(done) < requests:
             sched.step()
     wall = time.perf_counter() - t
+    return summary(spec, batch, requests, requests * max_tokens, wall, rounds)
+
+
+def summary(spec: str, batch: int, requests: int, tokens: int, wall: float, rounds: list[dict]) -> dict:
+    """Rounds split by kind (prefill / drafted / plain) with their times and tokens, and the run's rate."""
     kinds = {}
     for r in rounds:
         kind = "prefill" if r["prefill_tokens"] else "drafted" if r["drafted"] else "plain"
@@ -65,9 +81,9 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int) -> dict:
         for key in ("draft_ms", "verify_ms", "host_ms", "committed", "prefill_tokens", "rows"):
             k[key] += r[key]
     in_rounds = sum(r["draft_ms"] + r["verify_ms"] + r["host_ms"] for r in rounds)
-    return {"policy": spec, "batch": batch, "requests": requests, "tokens": requests * max_tokens, "wall_s": wall,
-            "tokens_per_s": requests * max_tokens / wall, "in_rounds_ms": in_rounds,
-            "outside_rounds_ms": wall * 1e3 - in_rounds, "kinds": kinds, "rounds": rounds}
+    return {"policy": spec, "batch": batch, "requests": requests, "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "in_rounds_ms": in_rounds,
+            "outside_rounds_ms": wall * 1e3 - in_rounds, "http": False, "kinds": kinds, "rounds": rounds}
 
 
 def main(argv=None) -> int:
@@ -78,16 +94,20 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default="ar,cost")
     p.add_argument("--plain-too", action="store_true", help="also the cost policy with drafting switched off")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--http", action="store_true", help="each run also through HTTP, as `castspec loadtest` does")
     p.add_argument("--out", default="runs/load-rounds.json")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--target", default=None)
+    p.add_argument("--drafter", default=None)
     args = p.parse_args(argv)
     specs = [s.strip() for s in args.policies.split(",") if s.strip()] + (["cost-plain"] if args.plain_too else [])
-    engine = load()
+    engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)
     results = []
     for rep in range(args.repeats):
-        for spec in specs:
-            res = run(engine, spec, args.batch, args.requests, args.max_tokens)
+        for spec, http in [(s, h) for s in specs for h in ((False, True) if args.http else (False,))]:
+            res = run(engine, spec, args.batch, args.requests, args.max_tokens, http)
             results.append({"repeat": rep, **res})
-            print(json.dumps({k: res[k] for k in ("policy", "batch", "tokens_per_s", "in_rounds_ms",
+            print(json.dumps({k: res[k] for k in ("policy", "http", "batch", "tokens_per_s", "in_rounds_ms",
                                                    "outside_rounds_ms")}
                              | {kind: {"rounds": v["rounds"], "ms": round(v["draft_ms"] + v["verify_ms"] + v["host_ms"]),
                                        "committed": v["committed"]} for kind, v in res["kinds"].items()}))
