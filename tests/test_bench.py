@@ -133,14 +133,19 @@ def test_products_benchmark_end_to_end(tmp_path, capsys):
     assert "--rows must be positive integers" in capsys.readouterr().err
 
 
-def test_rounds_benchmark_end_to_end(tmp_path, capsys):
-    """`python -m castspec.bench.rounds` on a tiny target and drafter: per batch and policy the tokens committed
-    (the same for every policy: greedy is exact), drafted rounds only where the policy drafts; a bad policy is a
-    one-line usage error."""
+def tiny_models(tmp_path) -> None:
+    """A tiny target (with a tokenizer) in tmp_path/target and a random drafter for it in tmp_path/drafter."""
     hf = make_hf(llama_config(vocab=24))
     hf.save_pretrained(tmp_path / "target")
     tiny_tokenizer(24).save_pretrained(tmp_path / "target")
     save_drafter(random_drafter(native(hf)), tmp_path / "drafter")
+
+
+def test_rounds_benchmark_end_to_end(tmp_path, capsys):
+    """`python -m castspec.bench.rounds` on a tiny target and drafter: per batch and policy the tokens committed
+    (the same for every policy: greedy is exact), drafted rounds only where the policy drafts; a bad policy is a
+    one-line usage error."""
+    tiny_models(tmp_path)
     out = tmp_path / "rounds.json"
     assert rounds_bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                               "--dtype", "fp32", "--batch", "1,3", "--policy", "ar,fixed:3,cost",
@@ -160,10 +165,7 @@ def test_load_rounds_benchmark_end_to_end(tmp_path, capsys):
     """`python -m castspec.bench.load_rounds` on a tiny target and drafter: every round of the closed loop is
     logged and split by kind, in process (every request runs to --max-tokens: the tokens the rounds committed plus
     each request's first, from its prompt) and through HTTP; the cost policy with drafting off drafts nothing."""
-    hf = make_hf(llama_config(vocab=24))
-    hf.save_pretrained(tmp_path / "target")
-    tiny_tokenizer(24).save_pretrained(tmp_path / "target")
-    save_drafter(random_drafter(native(hf)), tmp_path / "drafter")
+    tiny_models(tmp_path)
     out = tmp_path / "load.json"
     assert load_rounds_bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                                    "--dtype", "fp32", "--batch", "2", "--requests", "3", "--max-tokens", "5",
