@@ -119,6 +119,11 @@ class SharedBudget(Policy):
 PRIOR_TOKENS = 2.0
 
 
+def _ema(old: float | None, value: float, momentum: float) -> float:
+    """The next value of an exponential moving average; the first value stands alone."""
+    return value if old is None else momentum * old + (1 - momentum) * value
+
+
 def batch_bucket(batch: int) -> int:
     """Batches measured together by the cost policy: 2, 3-4, 5-8, 9-16, ... (the next power of two)."""
     return 1 << max(batch - 1, 0).bit_length()
@@ -184,10 +189,7 @@ class CostAware(Policy):
 
     def _plain_rate(self) -> float:
         """Measured once plain rounds have run; before that, the profile's price of a verify of B roots."""
-        if self.plain_rate is not None:
-            return self.plain_rate
-        prof = self.rule.profile
-        return self.batch / max(prof.plain_round_ms(self.batch, prof.prefix_lens[0]), 1e-6)
+        return self.plain_rate if self.plain_rate is not None else self._priced_plain_rate(self.batch)
 
     def max_nodes(self, depth: int) -> int:
         return min(self.rule.max_width, universe_size(depth, self.top_k_per_position))
@@ -249,28 +251,28 @@ class CostAware(Policy):
     def observe(self, tree: Tree, path: list[int]) -> None:
         self.rule.observe(tree, path)
 
+    def _priced_plain_rate(self, batch: int) -> float:
+        """Tokens per ms of a plain round of `batch` requests as the profile prices it (a verify of B roots)."""
+        prof = self.rule.profile
+        return batch / max(prof.plain_round_ms(batch, prof.prefix_lens[0]), 1e-6)
+
     def _batch_plain_rate(self, batch: int) -> float:
         """Tokens per ms of a plain round of `batch` requests: measured, else the profile's price."""
         rate = self.plain_rates.get(batch)
-        if rate is not None:
-            return rate
-        prof = self.rule.profile
-        return batch / max(prof.plain_round_ms(batch, prof.prefix_lens[0]), 1e-6)
+        return rate if rate is not None else self._priced_plain_rate(batch)
 
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
         rate = committed / max(round_ms, 1e-6)
         if not drafted:
             self.skipped += 1
-            self.plain_rate = rate if self.plain_rate is None else \
-                self.momentum * self.plain_rate + (1 - self.momentum) * rate
+            self.plain_rate = _ema(self.plain_rate, rate, self.momentum)
             # a plain round commits one token per request: `committed` is its batch. Under load, a try that
             # cannot pay at this batch (draft_could_pay) waits for the longest gap under load (the acceptance it
             # assumes may be stale); one request's tries go by the measured rates alone, which compare like with
             # like
             batch = committed
             if batch > 1:
-                old = self.plain_rates.get(batch)
-                self.plain_rates[batch] = rate if old is None else self.momentum * old + (1 - self.momentum) * rate
+                self.plain_rates[batch] = _ema(self.plain_rates.get(batch), rate, self.momentum)
             if self.skipped >= self.explore_every and (batch == 1 or self.draft_could_pay(batch)
                                                        or self.skipped >= self.max_explore_loaded):
                 self.burst = [self.try_rounds, 0.0, 0.0]
@@ -288,9 +290,8 @@ class CostAware(Policy):
             # under load every request's first drafted round reads its prompt's features, so the policy's first
             # one counts here; so does a try's, whose pass also fuses the context of the rounds before it. Both
             # err on the side of plain rounds
-            gain, key = rate / self._batch_plain_rate(self.batch), batch_bucket(self.batch)
-            old = self.gains.get(key)
-            self.gains[key] = gain if old is None else self.momentum * old + (1 - self.momentum) * gain
+            key = batch_bucket(self.batch)
+            self.gains[key] = _ema(self.gains.get(key), rate / self._batch_plain_rate(self.batch), self.momentum)
         if first:
             return
         self.rule.update(committed, round_ms)
@@ -298,7 +299,7 @@ class CostAware(Policy):
             self.rated += self.batch
             # a plain mean until it holds ~20 request-rounds, then an EMA with that memory
             m = min(self.decision_momentum ** self.batch, 1 - self.batch / self.rated)
-            self.draft_rate = rate if self.draft_rate is None else m * self.draft_rate + (1 - m) * rate
+            self.draft_rate = _ema(self.draft_rate, rate, m)
             if self.draft_rate >= self._plain_rate():
                 self.explore_every = self.min_explore
             return

@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import time
 from pathlib import Path
 
 import torch
 
 from ..engine import load
-from ..prompts import heldout_prompts
 from ..round import warm_up
 from ..serving.frontend import ServerConfig
 from ..serving.live import LiveServer
-from ..serving.loadtest import run_load
+from ..serving.loadtest import load_messages, run_load
 from ..serving.scheduler import Request, SchedulerConfig
 from ..serving.server import create_app
 
@@ -36,9 +34,7 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: boo
     """One closed loop; `spec` is "ar", a policy name for `cast`, or "<policy>-plain" (never drafts). `http`:
     through the load test's clients and server instead of stepping the scheduler here."""
     method, policy = ("ar", "cost") if spec == "ar" else ("cast", spec.removesuffix("-plain"))
-    prompts = heldout_prompts(8)
-    messages = [[{"role": "user", "content": p.text}] for p in prompts]
-    random.Random(0).shuffle(messages)  # the load test's order
+    messages = load_messages(8)  # the load test's, in its order
     sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=policy,
                                              width="auto"), method)
     if spec.endswith("-plain"):

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from pathlib import Path
 
 from ..allocate import PolicySpec
 from ..bench.tax import measure_tax
-from ..prompts import heldout_prompts
 from ..serving.frontend import ServerConfig
 from ..serving.live import LiveServer, ServeProcess, check_loopback
-from ..serving.loadtest import SoakConfig, plot, plot_soak, run_load, run_soak, summarize
+from ..serving.loadtest import SoakConfig, load_messages, plot, plot_soak, run_load, run_soak, summarize
 from ..serving.scheduler import SchedulerConfig
 from ..serving.server import create_app
 from .common import UserError, add_model_args, load_engine
@@ -81,9 +79,7 @@ def cmd_loadtest(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot write to {out}: {e}") from None
-    prompts = heldout_prompts(args.per_domain)
-    messages = [[{"role": "user", "content": p.text}] for p in prompts]
-    random.Random(0).shuffle(messages)
+    messages = load_messages(args.per_domain)
     if args.soak:
         return cmd_soak(args, messages, out)
     if args.tax:

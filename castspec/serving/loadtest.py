@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from ..prompts import heldout_prompts
 from .live import check_loopback
 
 
@@ -52,6 +53,14 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
     return {"latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens, "error": error}
+
+
+def load_messages(per_domain: int) -> list[list[dict]]:
+    """The load test's requests: the held-out prompts (`per_domain` of each domain) as one user turn each, in one
+    fixed shuffled order."""
+    messages = [[{"role": "user", "content": p.text}] for p in heldout_prompts(per_domain)]
+    random.Random(0).shuffle(messages)
+    return messages
 
 
 async def run_load(url: str, messages: list[list[dict]], concurrency: int, requests: int, max_tokens: int,
