@@ -303,7 +303,7 @@ def test_bad_requests_get_the_same_answer_as_single_process_serve(ray_app, singl
 
 
 def test_a_killed_replica_loses_no_request_that_had_not_streamed(ray_app, single):
-    reqs = bodies(24, max_tokens=150)
+    reqs = bodies(32, max_tokens=150)
     truth = [answer(r.json()) for r in asyncio.run(post_all(single, reqs))]
     before = live_replicas(ray_app)
 
@@ -312,9 +312,14 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(ray_app, single
             tasks = [asyncio.create_task(stream_one(client, p, b) if i % 2 else client.post(p, json=b))
                      for i, (p, b) in enumerate(reqs)]
 
-            def busy():  # a replica with requests in flight (the router decides which replicas get them)
+            def busy():
+                """The replica with the most requests, once one has more than a batch: the router decides which
+                replicas get them, and a report can be REPORT_PERIOD_S old, so a replica that reported only
+                running requests may have finished them all before the kill (a CI run hit nothing that way);
+                one that reported queued ones still has at least a batch's decoding ahead of it."""
                 per = get(ray_app, "/health").json()["per_replica"]
-                return next((k for k in sorted(before) if per.get(k, {}).get("active", 0) > 0), None)
+                load = {k: per[k]["active"] + per[k]["queued"] for k in before if per.get(k, {}).get("queued", 0) > 0}
+                return max(load, key=load.get) if load else None
 
             victim = await asyncio.to_thread(wait_for, busy, 30, "a replica to be decoding")
             os.kill(before[victim]["pid"], signal.SIGKILL)
