@@ -274,15 +274,10 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX __attribute__((target("amx-tile,amx-bf16")))
+#include "amx.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* Whether bf16 products use AMX: decided once when the library is loaded (gemm_use_amx), for every product of
  * the process alike, since a row's bits differ between AMX and AVX-512 tiles. */
@@ -299,14 +294,6 @@ int gemm_amx_on(void) { return amx_on; }
 #ifndef AMX_AHEAD
 #define AMX_AHEAD 1024 /* elements: two k-steps of a panel */
 #endif
-
-AMX static void amx_configure(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof(c));
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; } /* 16 rows of 16 fp32 or 32 bf16 */
-    _tile_loadconfig(&c);
-}
 
 /* C tile `t`, the sums of group `g` (rows 16 * g on) for panel `pn`: straight into Y for 16 rows of 16 valid
  * columns, else through a buffer. */

@@ -393,8 +393,24 @@ static int arena_open(Arena *a) {
  * take from one allocation: 0, or -1 when out of memory. Free arena.base when done. */
 #define ARENA_LAYOUT(arena, layout) ((layout), arena_open(&(arena)) ? -1 : ((layout), 0))
 
-/* The floats of attention()'s probs scratch: a group of heads' scores per thread. */
-#define ATTN_PROBS(m, S16) ((int64_t)omp_get_max_threads() * ((m)->heads / (m)->kv_heads) * (S16))
+#include "attn_amx.h"
+
+/* Whether attention runs on AMX tiles (attn_amx.h): decided by gemm.c's choice, once per process, so that every
+ * forward computes a row alike. */
+static inline int attention_on_amx(const StepModel *m) {
+#ifdef CASTSPEC_AVX512
+    return m->bf16 && gemm_amx_on() && m->head_dim % 64 == 0 && m->heads / m->kv_heads <= 16;
+#else
+    (void)m;
+    return 0;
+#endif
+}
+
+/* The floats of attention()'s probs scratch, per thread: a group of heads' scores, or attn_amx.h's scratch. */
+#define ATTN_PROBS(m, S16)                                                                                   \
+    ((int64_t)omp_get_max_threads() *                                                                       \
+     (attention_on_amx(m) ? AMX_ATTN_FLOATS(((S16) + 31) & ~31, (m)->head_dim)                              \
+                          : (int64_t)((m)->heads / (m)->kv_heads) * (S16)))
 
 /* Attention of M rows' query heads (row r's at q + r * ldq), each over its own RowAttn; then the output
  * projection and the residual into x [M, hidden]. probs is scratch of ATTN_PROBS(m, S16) floats (S16: the
@@ -404,19 +420,25 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
                       int S16, float *probs, float *heads_out, float *x, void *xs, float *att) {
     const int d = m->head_dim, nh = m->heads, nq = nh * d, group = nh / m->kv_heads;
     const float scale = 1.f / sqrtf((float)d);
-    /* work items: a row's query heads that share a key/value head, together (they share the loads), or one by
-     * one where there are too few rows to keep the threads busy; the bits are the same either way. Items run
-     * head by head over the rows, so a thread's consecutive items read the same keys and values (a tree's rows
-     * share their prefix) while they are still in its cache. */
-    const int G = M * m->kv_heads >= 2 * omp_get_max_threads() && group <= 64 ? group : 1, items = M * (nh / G);
+    if (attention_on_amx(m)) {
+#ifdef CASTSPEC_AVX512
+        attention_amx(m, M, q, ldq, rows, (S16 + 31) & ~31, probs, heads_out);
+#endif
+    } else {
+        /* work items: a row's query heads that share a key/value head, together (they share the loads), or one by
+         * one where there are too few rows to keep the threads busy; the bits are the same either way. Items run
+         * head by head over the rows, so a thread's consecutive items read the same keys and values (a tree's rows
+         * share their prefix) while they are still in its cache. */
+        const int G = M * m->kv_heads >= 2 * omp_get_max_threads() && group <= 64 ? group : 1, items = M * (nh / G);
 #pragma omp parallel for schedule(static) if ((int64_t)M * rows[0].n >= 64)
-    for (int it = 0; it < items; ++it) {
-        const int r = it % M, h = (it / M) * G;
-        const RowAttn *a = &rows[r];
-        const int64_t at = (h / group) * a->head_stride; /* the key/value head */
-        attend_heads(q + r * ldq + h * d, G, kv_at(m, a->K, at), kv_at(m, a->V, at), m->bf16, a->n,
-                     a->keys, d, scale, probs + (int64_t)omp_get_thread_num() * group * S16, S16,
-                     heads_out + (int64_t)r * nq + h * d);
+        for (int it = 0; it < items; ++it) {
+            const int r = it % M, h = (it / M) * G;
+            const RowAttn *a = &rows[r];
+            const int64_t at = (h / group) * a->head_stride; /* the key/value head */
+            attend_heads(q + r * ldq + h * d, G, kv_at(m, a->K, at), kv_at(m, a->V, at), m->bf16, a->n,
+                         a->keys, d, scale, probs + (int64_t)omp_get_thread_num() * group * S16, S16,
+                         heads_out + (int64_t)r * nq + h * d);
+        }
     }
     linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, att);
     FOR_ROWS(M, r, add_to(x + (int64_t)r * m->hidden, att + (int64_t)r * m->hidden, m->hidden));

@@ -1,0 +1,304 @@
+/* Attention on AMX tiles (layer.h's attention() where gemm.c uses AMX: a bf16 model, head_dim a multiple of 64),
+ * for every forward of the process alike: a decode step, a packed tree, a prompt chunk, several requests' rows.
+ *
+ * Why: scores and the values' weighted sum are 2 * head_dim multiply-adds per head and key. In fp32 vectors
+ * (attend_heads) a tree of 16 rows over a 512-token prefix spends more time there than in its products; one
+ * TDPBF16PS multiplies 16 query heads by 16 keys over 32 dimensions at once.
+ *
+ * Accuracy: keys and values are bf16 in the cache already. Queries and softmax weights are fp32; each enters the
+ * tiles as two bf16 terms, hi = bf16(x) and lo = bf16(x - hi) (x to about 16 significant bits), and products of
+ * bf16 values are exact in the fp32 sums, so scores and outputs stay close to the fp32 path's.
+ *
+ * Rows sharing a cache (a tree's rows, a prompt chunk's) are taken in blocks of up to 16 query heads that share
+ * a key/value head: each key's tiles are built once per block and used by all of its heads. Every head's
+ * arithmetic is nonetheless that of the head alone: a C tile element depends only on its own query row and key
+ * column, every head walks its visible keys (its compact list, RowAttn) in chunks of 32 aligned at the list's
+ * start, and the chunks every row of a block sees at the same place (whole chunks of its leading run of slots
+ * 0, 1, 2, ...) are merely computed for all of them at once, the rest row by row on the same instructions. So a
+ * row's bits are the same alone or in any block, and a tree row's are the decode step's at its position.
+ */
+#ifndef CASTSPEC_ATTN_AMX_H
+#define CASTSPEC_ATTN_AMX_H
+
+/* Floats per thread of attend_block_amx's scratch (AmxAttnScratch) for rows of up to S32 keys (a multiple of 32). */
+#define AMX_ATTN_FLOATS(S32, d) (16 * (int64_t)(S32) + 16 * (int64_t)(S32) + 16 * (d) + 8 * (d) + 1024 + 16 * (d) + \
+                                 1024 + 1024 + 8 * 16)
+
+#ifdef CASTSPEC_AVX512
+
+#include "amx.h"
+
+/* How many leading keys of a row are slots 0, 1, 2, ...: its list ascends through distinct slots, so keys[j] ==
+ * j holds exactly for j below that count (binary search). */
+static int leading_run(const RowAttn *a) {
+    if (!a->keys) return a->n;
+    int lo = 0, hi = a->n; /* keys[j] == j for j < lo; keys[j] != j for j >= hi */
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (a->keys[mid] == mid) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* A 16 x 16 transpose of 32-bit elements in registers: r[i] lane j -> r[j] lane i. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) { /* u[4i + k], 128-bit block L: rows 4i..4i+3 of column 4L + k */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; ++k) {
+        const __m512i xl = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), xh = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+        const __m512i yl = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44),
+                      yh = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+        r[k] = _mm512_shuffle_i32x4(xl, yl, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(xl, yl, 0xDD);
+        r[8 + k] = _mm512_shuffle_i32x4(xh, yh, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(xh, yh, 0xDD);
+    }
+}
+
+/* The B tiles of 16 keys (rows of d bf16, `stride` elements apart) for the scores: per 32 dimensions s, 16 rows
+ * of dimension pairs x 16 keys x 2 (kt + 512 * s). */
+static inline void keys_tiles(const uint16_t *k, int64_t stride, int d, uint16_t *kt) {
+    for (int s = 0; s < d / 32; ++s) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(k + j * stride + 32 * s);
+        transpose16(r);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kt + 512 * s + 32 * p, r[p]);
+    }
+}
+
+/* The B tiles of 32 values (rows of d bf16, `stride` elements apart), columns [c0, c0 + 64): 16 rows of key
+ * pairs x 64 columns x 2 (vp; column block k's tile starts at vp + 32 * k, rows 128 elements apart). */
+static inline void value_tiles(const uint16_t *v, int64_t stride, int c0, uint16_t *vp) {
+    static const uint16_t pairs[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(pairs); /* lane 2i: a[i], lane 2i + 1: b[i] */
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int p = 0; p < 16; ++p)
+        for (int h = 0; h < 2; ++h) { /* columns c0 + 32h .. + 32 */
+            const __m512i a = _mm512_loadu_si512(v + (2 * p) * stride + c0 + 32 * h);
+            const __m512i b = _mm512_loadu_si512(v + (2 * p + 1) * stride + c0 + 32 * h);
+            _mm512_storeu_si512(vp + 128 * p + 64 * h, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vp + 128 * p + 64 * h + 32, _mm512_permutex2var_epi16(a, hi, b));
+        }
+}
+
+/* Rows [j0, j0 + w) of a row's compact key list copied into `w16` consecutive rows of d (zeros past the list's
+ * end n): the keys (or values) of a chunk that is not a run of consecutive slots. */
+static void gather_rows(const uint16_t *base, const RowAttn *a, int j0, int w16, int d, uint16_t *out) {
+    for (int j = 0; j < w16; ++j) {
+        uint16_t *o = out + (int64_t)j * d;
+        if (j0 + j < a->n) memcpy(o, base + (int64_t)(a->keys ? a->keys[j0 + j] : j0 + j) * d, 2 * (size_t)d);
+        else memset(o, 0, 2 * (size_t)d);
+    }
+}
+
+/* One thread's scratch for attend_block_amx, in bf16 elements (uint16_t) or floats, 64-byte aligned pieces. */
+typedef struct {
+    float *s;      /* [16, S32] scores, then exp */
+    uint16_t *p;   /* [2, 16, S32] exp as hi | lo bf16 */
+    uint16_t *qa;  /* [2, 16, d] the queries as hi | lo bf16 */
+    uint16_t *kt;  /* [d / 32, 16, 32] a chunk's key tiles */
+    uint16_t *vp;  /* [16, 128] a chunk's value tiles (64 columns) */
+    uint16_t *rows; /* [32, d] gathered keys or values */
+    float *cb;     /* [16, 64] sums after the shared chunks */
+    float *tmp;    /* [16, 64] a tile's sums */
+} AmxAttnScratch;
+
+static AmxAttnScratch amx_attn_scratch(float *base, int S32, int d) {
+    AmxAttnScratch s;
+    char *p = (char *)base;
+#define AMX_TAKE(field, type, count)                 \
+    s.field = (type *)p;                             \
+    p += ((sizeof(type) * (size_t)(count)) + 63) & ~(size_t)63;
+    AMX_TAKE(s, float, 16 * (int64_t)S32)
+    AMX_TAKE(p, uint16_t, 32 * (int64_t)S32)
+    AMX_TAKE(qa, uint16_t, 32 * d)
+    AMX_TAKE(kt, uint16_t, 16 * d)
+    AMX_TAKE(vp, uint16_t, 16 * 128)
+    AMX_TAKE(rows, uint16_t, 32 * d)
+    AMX_TAKE(cb, float, 16 * 64)
+    AMX_TAKE(tmp, float, 16 * 64)
+#undef AMX_TAKE
+    return s;
+}
+
+/* C tile 0 = scores of the block's 16 query rows (qa, hi and lo) against the 16 keys of kt, summed in one order
+ * (per 32 dimensions: hi, then lo). */
+AMX static inline void score_tile(const AmxAttnScratch *w, int d) {
+    _tile_zero(0);
+    for (int s = 0; s < d / 32; ++s) {
+        _tile_loadd(4, w->qa + 32 * s, 2 * d);
+        _tile_loadd(5, w->qa + 16 * d + 32 * s, 2 * d);
+        _tile_loadd(6, w->kt + 512 * s, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 5, 6);
+    }
+}
+
+/* C tiles 0-3 += weights of chunk c (keys 32c .. 32c + 32 of every row of p, hi then lo) x the value tiles. */
+AMX static inline void weigh_tile(const AmxAttnScratch *w, int S32, int c) {
+    _tile_loadd(4, w->p + 32 * c, 2 * S32);
+    _tile_loadd(5, w->p + 16 * (int64_t)S32 + 32 * c, 2 * S32);
+    for (int k = 0; k < 4; ++k) {
+        _tile_loadd(6, w->vp + 32 * k, 256);
+        switch (k) { /* tile numbers are immediates */
+        case 0: _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 6); break;
+        case 1: _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(1, 5, 6); break;
+        case 2: _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6); break;
+        default: _tile_dpbf16ps(3, 4, 6); _tile_dpbf16ps(3, 5, 6); break;
+        }
+    }
+}
+
+AMX static inline void store_sums(float *to) {
+    _tile_stored(0, to, 256);
+    _tile_stored(1, to + 16, 256);
+    _tile_stored(2, to + 32, 256);
+    _tile_stored(3, to + 48, 256);
+    __asm__ volatile("" ::: "memory"); /* tile stores are asm the compiler cannot see into */
+}
+
+AMX static inline void load_sums(const float *from) {
+    __asm__ volatile("" ::: "memory");
+    _tile_loadd(0, from, 256);
+    _tile_loadd(1, from + 16, 256);
+    _tile_loadd(2, from + 32, 256);
+    _tile_loadd(3, from + 48, 256);
+}
+
+/* Attention of `nb` rows (rows[0..nb), one cache) for the `G` query heads h0 .. h0 + G that share key/value head
+ * `kvh` (nb * G <= 16): queries at q + r * ldq + h * d, outputs at out + r * nq + h * d. */
+AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb, int kvh, int G, int h0,
+                                      const float *q, int64_t ldq, int S32, const AmxAttnScratch *w, float *out) {
+    const int d = m->head_dim, nq = m->heads * d, Q = nb * G;
+    const float scale = 1.f / sqrtf((float)d);
+    const int64_t at = kvh * rows[0].head_stride;
+    const uint16_t *K = (const uint16_t *)rows[0].K + at, *V = (const uint16_t *)rows[0].V + at;
+    int shared = INT32_MAX; /* whole chunks of 32 every row sees as slots 0, 1, 2, ... */
+    for (int r = 0; r < nb; ++r) {
+        const int run = leading_run(&rows[r]) / 32;
+        if (run < shared) shared = run;
+    }
+    for (int i = 0; i < Q; ++i) { /* queries as hi | lo bf16 */
+        const float *qi = q + (i / G) * ldq + (h0 + i % G) * d;
+        for (int c = 0; c < d; c += 16) {
+            const __m512 x = _mm512_loadu_ps(qi + c);
+            const __m256i hi = narrow(x);
+            _mm256_storeu_si256((__m256i *)(w->qa + i * d + c), hi);
+            _mm256_storeu_si256((__m256i *)(w->qa + 16 * d + i * d + c), narrow(_mm512_sub_ps(x, widen(hi))));
+        }
+    }
+    /* scores: the shared chunks for every query row, then each row's own */
+    for (int g = 0; g < 2 * shared; ++g) {
+        keys_tiles(K + (int64_t)16 * g * d, d, d, w->kt);
+        score_tile(w, d);
+        _tile_stored(0, w->s + 16 * g, 4 * S32);
+    }
+    for (int r = 0; r < nb; ++r)
+        for (int g = 2 * shared; 16 * g < rows[r].n; ++g) {
+            gather_rows(K, &rows[r], 16 * g, 16, d, w->rows);
+            keys_tiles(w->rows, d, d, w->kt);
+            score_tile(w, d);
+            _tile_stored(0, w->tmp, 64);
+            __asm__ volatile("" ::: "memory");
+            for (int i = r * G; i < (r + 1) * G; ++i) memcpy(w->s + (int64_t)i * S32 + 16 * g, w->tmp + 16 * i, 64);
+        }
+    __asm__ volatile("" ::: "memory");
+    /* softmax of each query row over its n keys, as attend_heads_as: exp(score - max), its sum, in 16 lanes */
+    float inv[16];
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < Q; ++i) {
+        const int n = rows[i / G].n, n32 = (n + 31) & ~31;
+        float *si = w->s + (int64_t)i * S32;
+        uint16_t *hi = w->p + (int64_t)i * S32, *lo = w->p + 16 * (int64_t)S32 + (int64_t)i * S32;
+        __m512 vmax = ninf;
+        for (int c = 0; c < n; c += 16) {
+            const __m512 sc = _mm512_mask_blend_ps(lanes(n, c), ninf, _mm512_mul_ps(_mm512_loadu_ps(si + c),
+                                                                                  _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(si + c, sc);
+            vmax = _mm512_max_ps(vmax, sc);
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int c = 0; c < n32; c += 16) {
+            const __mmask16 k = c < n ? lanes(n, c) : 0; /* past n up to the chunk's end: zero weights */
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_loadu_ps(si + c), mx)));
+            vsum = _mm512_add_ps(vsum, e);
+            const __m256i h = narrow(e);
+            _mm256_storeu_si256((__m256i *)(hi + c), h);
+            _mm256_storeu_si256((__m256i *)(lo + c), narrow(_mm512_sub_ps(e, widen(h))));
+        }
+        inv[i] = 1.f / _mm512_reduce_add_ps(vsum);
+    }
+    /* the values' weighted sum, 64 columns at a time: shared chunks for all, then each row's own */
+    for (int c0 = 0; c0 < d; c0 += 64) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int c = 0; c < shared; ++c) {
+            value_tiles(V + (int64_t)32 * c * d, d, c0, w->vp);
+            weigh_tile(w, S32, c);
+        }
+        store_sums(w->cb);
+        for (int r = 0; r < nb; ++r) {
+            const float *sums = w->cb;
+            if (32 * shared < rows[r].n) {
+                load_sums(w->cb);
+                for (int c = shared; 32 * c < rows[r].n; ++c) {
+                    gather_rows(V, &rows[r], 32 * c, 32, d, w->rows);
+                    value_tiles(w->rows, d, c0, w->vp);
+                    weigh_tile(w, S32, c);
+                }
+                store_sums(w->tmp);
+                sums = w->tmp;
+            }
+            for (int i = r * G; i < (r + 1) * G; ++i) {
+                float *o = out + (int64_t)(i / G) * nq + (h0 + i % G) * d + c0;
+                for (int c = 0; c < 64; c += 16)
+                    _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(sums + 64 * i + c), _mm512_set1_ps(inv[i])));
+            }
+        }
+    }
+}
+
+/* layer.h's attention for M rows on AMX tiles: blocks of consecutive rows that share a cache, up to 16 / group
+ * rows each, times the key/value heads, spread over the threads. scratch: AMX_ATTN_FLOATS(S32, d) per thread. */
+AMX static void attention_amx(const StepModel *m, int M, const float *q, int64_t ldq, const RowAttn *rows,
+                                   int S32, float *scratch, float *heads_out) {
+    const int d = m->head_dim, group = m->heads / m->kv_heads, per = 16 / group;
+    int *starts = malloc(sizeof(int) * (M + 1)), nblocks = 0;
+    if (!starts) abort();
+    for (int r = 0; r < M;) { /* blocks: consecutive rows of one cache */
+        int e = r + 1;
+        while (e < M && e - r < per && rows[e].K == rows[r].K) ++e;
+        starts[nblocks++] = r;
+        r = e;
+    }
+    starts[nblocks] = M;
+    const int items = nblocks * m->kv_heads;
+#pragma omp parallel if (items > 1 && (int64_t)M * rows[0].n >= 64)
+    {
+        amx_configure();
+        const AmxAttnScratch w =
+            amx_attn_scratch(scratch + (int64_t)omp_get_thread_num() * AMX_ATTN_FLOATS(S32, d), S32, d);
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < items; ++it) {
+            const int b = it / m->kv_heads, kvh = it % m->kv_heads, r0 = starts[b];
+            attend_block_amx(m, rows + r0, starts[b + 1] - r0, kvh, group, kvh * group, q + r0 * ldq, ldq, S32, &w,
+                             heads_out + (int64_t)r0 * m->heads * d);
+        }
+        _tile_release();
+    }
+    free(starts);
+}
+
+#endif /* CASTSPEC_AVX512 */
+#endif
