@@ -92,6 +92,10 @@ static inline void value_tiles(const uint16_t *v, int64_t stride, int c0, uint16
         }
 }
 
+/* Fetches n rows of d bf16 (consecutive) into the cache level `hint`. */
+#define fetch_rows(p, n, d, hint)                                                                           \
+    for (int64_t b_ = 0; b_ < (int64_t)(n) * (d) * 2; b_ += 64) _mm_prefetch((const char *)(p) + b_, hint)
+
 /* Rows [j0, j0 + w) of a row's compact key list copied into `w16` consecutive rows of d (zeros past the list's
  * end n): the keys (or values) of a chunk that is not a run of consecutive slots. */
 static void gather_rows(const uint16_t *base, const RowAttn *a, int j0, int w16, int d, uint16_t *out) {
@@ -200,6 +204,10 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
     }
     /* scores: the shared chunks for every query row, then each row's own */
     for (int g = 0; g < 2 * shared; ++g) {
+        /* the keys two groups on into L1 and this group's values into L2 (the weighted sum reads them next):
+         * short streams that the hardware prefetcher, still ramping up, would leave to stall the tile loads */
+        fetch_rows(K + (int64_t)16 * (g + 2) * d, g + 2 < 2 * shared ? 16 : 0, d, _MM_HINT_T0);
+        fetch_rows(V + (int64_t)16 * g * d, 16, d, _MM_HINT_T1);
         keys_tiles(K + (int64_t)16 * g * d, d, d, w->kt);
         score_tile(w, d);
         _tile_stored(0, w->s + 16 * g, 4 * S32);
