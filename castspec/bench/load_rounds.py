@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..allocate import PolicySpec
 from ..engine import load
 from ..round import warm_up
 from ..serving.frontend import ServerConfig
@@ -31,12 +32,13 @@ from ..serving.server import create_app
 
 
 def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: bool = False) -> dict:
-    """One closed loop; `spec` is "ar", a policy name for `cast`, or "<policy>-plain" (never drafts). `http`:
-    through the load test's clients and server instead of stepping the scheduler here."""
-    method, policy = ("ar", "cost") if spec == "ar" else ("cast", spec.removesuffix("-plain"))
+    """One closed loop; `spec` is a load test policy (ar, chain, cost, fixed:N, ...) or "<policy>-plain" (never
+    drafts). `http`: through the load test's clients and server instead of stepping the scheduler here."""
+    parsed = PolicySpec.parse(spec.removesuffix("-plain"))
+    method = parsed.method
     messages = load_messages(8)  # the load test's, in its order
-    sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=policy,
-                                             width="auto"), method)
+    sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=parsed.policy,
+                                             width=parsed.width), method)
     if spec.endswith("-plain"):
         sched.policy.should_draft = lambda batch=1: False  # this run's policy object only
     rounds, done = [], []
