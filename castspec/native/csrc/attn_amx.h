@@ -139,6 +139,7 @@ static AmxAttnScratch amx_attn_scratch(float *base, int S32, int d) {
 /* C tile 0 = scores of the block's 16 query rows (qa, hi and lo) against the 16 keys of kt, summed in one order
  * (per 32 dimensions: hi, then lo). */
 AMX static inline void score_tile(const AmxAttnScratch *w, int d) {
+    __asm__ volatile("" ::: "memory"); /* tile loads are asm that names no memory: the tiles' stores land first */
     _tile_zero(0);
     for (int s = 0; s < d / 32; ++s) {
         _tile_loadd(4, w->qa + 32 * s, 2 * d);
@@ -151,6 +152,7 @@ AMX static inline void score_tile(const AmxAttnScratch *w, int d) {
 
 /* C tiles 0-3 += weights of chunk c (keys 32c .. 32c + 32 of every row of p, hi then lo) x the value tiles. */
 AMX static inline void weigh_tile(const AmxAttnScratch *w, int S32, int c) {
+    __asm__ volatile("" ::: "memory");
     _tile_loadd(4, w->p + 32 * c, 2 * S32);
     _tile_loadd(5, w->p + 16 * (int64_t)S32 + 32 * c, 2 * S32);
     for (int k = 0; k < 4; ++k) {
