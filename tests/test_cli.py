@@ -103,3 +103,21 @@ def test_serving_commands_reject_bad_input_in_one_line(dirs, capsys, argv, messa
     code, out, err = run_cli(capsys, *[a.format(root=dirs) for a in argv])
     assert code == 2 and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_probe_of_a_few_shapes_leaves_the_deployments_profile_alone(dirs, capsys, tmp_path, monkeypatch):
+    """`castspec probe` stores its profile for width="auto" only when it measures what the rules read (packed
+    counts 1 to 64); a narrower probe says so and stores nothing unless asked (--store)."""
+    monkeypatch.setenv("CASTSPEC_CACHE", str(tmp_path))
+    model = ["--target", str(dirs / "target"), "--drafter", str(dirs / "drafter"), "--dtype", "fp32"]
+    small = ["probe", *model, "--packed", "1,2", "--prefix-lens", "8", "--reps", "1", "--warmup", "0"]
+    code, out, err = run_cli(capsys, *small)
+    assert code == 0 and json.loads(out)["profile"] is None and "not stored" in err
+    assert not list(tmp_path.rglob("*.json"))
+    code, out, _ = run_cli(capsys, *small, "--store")
+    stored = json.loads(out)["profile"]
+    assert code == 0 and stored.startswith(str(tmp_path)) and json.loads(open(stored).read())["packed"] == [1, 2]
+    code, out, err = run_cli(capsys, "probe", *model, "--packed", "1,2,4,8,16,32,64", "--prefix-lens", "8",
+                             "--reps", "1", "--warmup", "0")
+    assert code == 0 and json.loads(out)["profile"] == stored and "not stored" not in err
+    assert json.loads(open(stored).read())["packed"] == [1, 2, 4, 8, 16, 32, 64]

@@ -1,13 +1,14 @@
 """`castspec probe`: measure this deployment's verify costs and store the profile that width="auto" uses."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 from ..cost import CostProfile, profile_path
 from ..env import cache_dir
-from ..probe import engine_key, plot_profile, probe, probe_batch
+from ..probe import QUICK_PACKED, engine_key, plot_profile, probe, probe_batch
 from .common import UserError, add_model_args, load_engine
 
 
@@ -29,14 +30,22 @@ def cmd_probe(args) -> int:
         # at the prefix the cost policy prices batched rounds at (the profile's first), so that a plain round and
         # a drafted one of the same batch compare at the same key reads
         probe_batch(engine, profile, batches, prefix=prefixes[0], reps=args.reps, warmup=args.warmup)
-    stored = profile_path(cache_dir(), engine_key(engine))
-    profile.save(stored)
+    # the deployment's profile is what width="auto" and the cost policy read: a probe of a few shapes (a check
+    # of one verify size, say) must not replace it with one the rules cannot price wider trees from
+    covers = min(packed) == 1 and max(packed) >= max(QUICK_PACKED)
+    stored = profile_path(cache_dir(), engine_key(engine)) if (args.store if args.store is not None else covers) else None
+    if stored is not None:
+        profile.save(stored)
+    else:
+        print(f"castspec: not stored as this deployment's profile: it measures packed counts up to {max(packed)}, "
+              f"and width=\"auto\" reads 1 to {max(QUICK_PACKED)} at least (--store stores it anyway)",
+              file=sys.stderr)
     if args.out:
         profile.save(Path(args.out))
     if args.plot:
         plot_profile(profile, args.plot)
     print(floor_table(profile), file=sys.stderr)  # for the eye; stdout stays one JSON document
-    print(json.dumps({"profile": str(stored), "packed": profile.packed, "verify_ms": profile.verify_ms,
+    print(json.dumps({"profile": None if stored is None else str(stored), "packed": profile.packed, "verify_ms": profile.verify_ms,
                       "draft_ms": profile.draft_ms, "prefill_ms": profile.prefill_ms, "host_ms": profile.host_ms,
                       "batch": profile.batch,
                       "floor": profile.floor}, indent=2))
@@ -78,6 +87,9 @@ def register(sub) -> None:
     p.add_argument("--batch-sizes", default="", help="also time batched (serving) shapes, e.g. 2,4,8,16")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--store", action=argparse.BooleanOptionalAction, default=None,
+                   help="store the result as this deployment's profile (default: when it measures packed counts "
+                        "1 to at least 64, what width=\"auto\" reads)")
     p.add_argument("--out", default=None, help="also write the profile JSON here")
     p.add_argument("--plot", default=None, help="PNG of latency vs packed tokens")
     p.set_defaults(func=cmd_probe)
