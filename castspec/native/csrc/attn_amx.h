@@ -20,9 +20,38 @@
 #ifndef CASTSPEC_ATTN_AMX_H
 #define CASTSPEC_ATTN_AMX_H
 
-/* Floats per thread of attend_block_amx's scratch (AmxAttnScratch) for rows of up to S32 keys (a multiple of 32). */
-#define AMX_ATTN_FLOATS(S32, d) (16 * (int64_t)(S32) + 16 * (int64_t)(S32) + 16 * (d) + 8 * (d) + 1024 + 16 * (d) + \
-                                 1024 + 1024 + 8 * 16)
+/* One thread's scratch for attend_block_amx, for rows of up to S32 keys (a multiple of 32). */
+typedef struct {
+    float *s;       /* [16, S32] scores, then exp */
+    uint16_t *p;    /* [2, 16, S32] exp as hi | lo bf16 */
+    uint16_t *qa;   /* [2, 16, d] the queries as hi | lo bf16 */
+    uint16_t *kt;   /* [d / 32, 16, 32] a group's key tiles */
+    uint16_t *vp;   /* [16, 128] a chunk's value tiles (64 columns) */
+    uint16_t *rows; /* [32, d] gathered keys or values */
+    float *cb;      /* [16, 64] sums after the shared chunks */
+    float *tmp;     /* [16, 64] a tile's sums */
+} AmxAttnScratch;
+
+/* That scratch taken from `a` (layer.h's Arena: an empty one measures it). */
+static AmxAttnScratch amx_attn_scratch(Arena *a, int S32, int d) {
+    AmxAttnScratch w;
+    w.s = take(a, sizeof(float) * 16 * (size_t)S32);
+    w.p = take(a, sizeof(uint16_t) * 32 * (size_t)S32);
+    w.qa = take(a, sizeof(uint16_t) * 32 * (size_t)d);
+    w.kt = take(a, sizeof(uint16_t) * 16 * (size_t)d);
+    w.vp = take(a, sizeof(uint16_t) * 16 * 128);
+    w.rows = take(a, sizeof(uint16_t) * 32 * (size_t)d);
+    w.cb = take(a, sizeof(float) * 16 * 64);
+    w.tmp = take(a, sizeof(float) * 16 * 64);
+    return w;
+}
+
+/* Floats per thread of that scratch (whole cache lines, so that each thread's starts on one). */
+static inline int64_t amx_attn_floats(int S32, int d) {
+    Arena a = {NULL, 0};
+    amx_attn_scratch(&a, S32, d);
+    return (int64_t)(a.used / sizeof(float));
+}
 
 #ifdef CASTSPEC_AVX512
 
@@ -104,36 +133,6 @@ static void gather_rows(const uint16_t *base, const RowAttn *a, int j0, int w16,
         if (j0 + j < a->n) memcpy(o, base + (int64_t)(a->keys ? a->keys[j0 + j] : j0 + j) * d, 2 * (size_t)d);
         else memset(o, 0, 2 * (size_t)d);
     }
-}
-
-/* One thread's scratch for attend_block_amx, in bf16 elements (uint16_t) or floats, 64-byte aligned pieces. */
-typedef struct {
-    float *s;      /* [16, S32] scores, then exp */
-    uint16_t *p;   /* [2, 16, S32] exp as hi | lo bf16 */
-    uint16_t *qa;  /* [2, 16, d] the queries as hi | lo bf16 */
-    uint16_t *kt;  /* [d / 32, 16, 32] a chunk's key tiles */
-    uint16_t *vp;  /* [16, 128] a chunk's value tiles (64 columns) */
-    uint16_t *rows; /* [32, d] gathered keys or values */
-    float *cb;     /* [16, 64] sums after the shared chunks */
-    float *tmp;    /* [16, 64] a tile's sums */
-} AmxAttnScratch;
-
-static AmxAttnScratch amx_attn_scratch(float *base, int S32, int d) {
-    AmxAttnScratch s;
-    char *p = (char *)base;
-#define AMX_TAKE(field, type, count)                 \
-    s.field = (type *)p;                             \
-    p += ((sizeof(type) * (size_t)(count)) + 63) & ~(size_t)63;
-    AMX_TAKE(s, float, 16 * (int64_t)S32)
-    AMX_TAKE(p, uint16_t, 32 * (int64_t)S32)
-    AMX_TAKE(qa, uint16_t, 32 * d)
-    AMX_TAKE(kt, uint16_t, 16 * d)
-    AMX_TAKE(vp, uint16_t, 16 * 128)
-    AMX_TAKE(rows, uint16_t, 32 * d)
-    AMX_TAKE(cb, float, 16 * 64)
-    AMX_TAKE(tmp, float, 16 * 64)
-#undef AMX_TAKE
-    return s;
 }
 
 /* C tile 0 = scores of the block's 16 query rows (qa, hi and lo) against the 16 keys of kt, summed in one order
@@ -280,7 +279,7 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
 }
 
 /* layer.h's attention for M rows on AMX tiles: blocks of consecutive rows that share a cache, up to 16 / group
- * rows each, times the key/value heads, spread over the threads. scratch: AMX_ATTN_FLOATS(S32, d) per thread. */
+ * rows each, times the key/value heads, spread over the threads. scratch: amx_attn_floats(S32, d) per thread. */
 AMX static void attention_amx(const StepModel *m, int M, const float *q, int64_t ldq, const RowAttn *rows,
                                    int S32, float *scratch, float *heads_out) {
     const int d = m->head_dim, group = m->heads / m->kv_heads, per = 16 / group;
@@ -297,8 +296,8 @@ AMX static void attention_amx(const StepModel *m, int M, const float *q, int64_t
 #pragma omp parallel if (items > 1 && (int64_t)M * rows[0].n >= 64)
     {
         amx_configure();
-        const AmxAttnScratch w =
-            amx_attn_scratch(scratch + (int64_t)omp_get_thread_num() * AMX_ATTN_FLOATS(S32, d), S32, d);
+        Arena mine = {(char *)(scratch + (int64_t)omp_get_thread_num() * amx_attn_floats(S32, d)), 0};
+        const AmxAttnScratch w = amx_attn_scratch(&mine, S32, d);
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < items; ++it) {
             const int b = it / m->kv_heads, kvh = it % m->kv_heads, r0 = starts[b];

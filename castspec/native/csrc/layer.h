@@ -409,7 +409,7 @@ static inline int attention_on_amx(const StepModel *m) {
 /* The floats of attention()'s probs scratch, per thread: a group of heads' scores, or attn_amx.h's scratch. */
 #define ATTN_PROBS(m, S16)                                                                                   \
     ((int64_t)omp_get_max_threads() *                                                                       \
-     (attention_on_amx(m) ? AMX_ATTN_FLOATS(((S16) + 31) & ~31, (m)->head_dim)                              \
+     (attention_on_amx(m) ? amx_attn_floats(((S16) + 31) & ~31, (m)->head_dim)                              \
                           : (int64_t)((m)->heads / (m)->kv_heads) * (S16)))
 
 /* Attention of M rows' query heads (row r's at q + r * ldq), each over its own RowAttn; then the output
