@@ -33,10 +33,12 @@ CONFIGS = {
     # AMX, attention runs on tiles (csrc/attn_amx.h)
     "llama-head-dim-64": lambda: llama_config(hidden_size=384, intermediate_size=256, num_attention_heads=6,
                                               num_key_value_heads=2),
+    # Qwen3-8B's (128 dimensions, 4 query heads per key/value head): two passes of 64 columns on the tiles
+    "qwen3-head-dim-128": lambda: qwen3_config(head_dim=128, num_attention_heads=8),
 }
-# Longer prompts for that shape: rows then see whole chunks of 32 keys, which the tiles share among the rows of
+# Longer prompts for those shapes: rows then see whole chunks of 32 keys, which the tiles share among the rows of
 # a tree or a prompt chunk, and partial ones, which each row takes alone
-LONG = {"llama-head-dim-64": 3}
+LONG = {"llama-head-dim-64": 3, "qwen3-head-dim-128": 3}
 
 
 def _torch_only(model):
