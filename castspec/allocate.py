@@ -181,7 +181,7 @@ class CostAware(Policy):
         self.nodes = 0  # tree nodes the last drafted round verified, over all its requests
         # per drafting request in a drafted round (EMA): tokens committed and tree nodes verified
         self.request_tokens: float | None = None
-        self.request_nodes = 0.0
+        self.request_nodes: float | None = None
         # under load (batch > 1), measured like with like: plain rounds' tokens per ms at each batch, and drafted
         # rounds' gain over them (EMA) per batch bucket (batch_bucket), read by draft_could_pay once measured
         self.plain_rates: dict[int, float] = {}
@@ -281,11 +281,8 @@ class CostAware(Policy):
         self.drafted += self.batch
         self.skipped = 0
         tokens, nodes = committed / self.batch, self.nodes / self.batch
-        if self.request_tokens is None:
-            self.request_tokens, self.request_nodes = tokens, nodes
-        else:
-            self.request_tokens = self.momentum * self.request_tokens + (1 - self.momentum) * tokens
-            self.request_nodes = self.momentum * self.request_nodes + (1 - self.momentum) * nodes
+        self.request_tokens = _ema(self.request_tokens, tokens, self.momentum)
+        self.request_nodes = _ema(self.request_nodes, nodes, self.momentum)
         if self.batch > 1:
             # under load every request's first drafted round reads its prompt's features, so the policy's first
             # one counts here; so does a try's, whose pass also fuses the context of the rounds before it. Both

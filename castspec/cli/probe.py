@@ -33,7 +33,8 @@ def cmd_probe(args) -> int:
     # the deployment's profile is what width="auto" and the cost policy read: a probe of a few shapes (a check
     # of one verify size, say) must not replace it with one the rules cannot price wider trees from
     covers = min(packed) == 1 and max(packed) >= max(QUICK_PACKED)
-    stored = profile_path(cache_dir(), engine_key(engine)) if (args.store if args.store is not None else covers) else None
+    store = covers if args.store is None else args.store
+    stored = profile_path(cache_dir(), engine_key(engine)) if store else None
     if stored is not None:
         profile.save(stored)
     else:
@@ -45,8 +46,8 @@ def cmd_probe(args) -> int:
     if args.plot:
         plot_profile(profile, args.plot)
     print(floor_table(profile), file=sys.stderr)  # for the eye; stdout stays one JSON document
-    print(json.dumps({"profile": None if stored is None else str(stored), "packed": profile.packed, "verify_ms": profile.verify_ms,
-                      "draft_ms": profile.draft_ms, "prefill_ms": profile.prefill_ms, "host_ms": profile.host_ms,
+    print(json.dumps({"profile": None if stored is None else str(stored), "packed": profile.packed,
+                      "verify_ms": profile.verify_ms, "draft_ms": profile.draft_ms, "prefill_ms": profile.prefill_ms, "host_ms": profile.host_ms,
                       "batch": profile.batch,
                       "floor": profile.floor}, indent=2))
     return 0
