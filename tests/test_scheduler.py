@@ -241,6 +241,31 @@ def test_the_round_hook_sees_every_round(models):
     assert sum(o.accepted + 1 for out in seen for o in out.sequences if o.verified) == sched.metrics.committed
 
 
+def test_after_callbacks_hooks_follow_every_step_and_close_and_a_failing_one_stops_nothing(models):
+    """What the HTTP server wakes its event loop with: every callback of a step (tokens, done) comes before the
+    hooks of that step, and close() runs them after cancelling what is left; a hook that raises is logged."""
+    target, drafter = models
+    sched = Scheduler(target, drafter, SchedulerConfig(max_batch=2, policy="shared", width=8))
+    log = []
+
+    def broken():
+        raise RuntimeError("injected hook failure")
+
+    sched.after_callbacks += [broken, lambda: log.append("hook")]
+    for i, p in enumerate(prompts(3, seed=5)):
+        sched.submit(Request(p, DecodeConfig(max_new_tokens=4 if i < 2 else 50), lambda t: log.append("tokens"),
+                             lambda r, e: log.append(r)))
+    steps = 0
+    while "length" not in log:
+        assert sched.step()
+        steps += 1
+        assert log[-1] == "hook"  # this step's callbacks, then its hook
+    assert log.count("hook") == steps and "tokens" in log[:log.index("hook")]
+    log.clear()
+    sched.close(threading.Event())
+    assert log[-1] == "hook" and "cancelled" in log
+
+
 def test_a_failing_request_does_not_take_down_the_batch(models, monkeypatch):
     target, drafter = models
     ps = prompts(3, seed=11)

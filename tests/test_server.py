@@ -16,7 +16,7 @@ from castspec.cli.loadtest import parse_spec
 from castspec.serving.loadtest import run_load, summarize
 from castspec.serving.scheduler import Request, SchedulerConfig
 from castspec.serving.frontend import ServerConfig
-from castspec.serving.server import TextStream, create_app
+from castspec.serving.server import Mailbox, TextStream, create_app
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
 
@@ -211,3 +211,27 @@ def test_loadtest_against_a_live_server(engine):
         parse_spec("fixed")
     with pytest.raises(ValueError, match="unknown"):
         parse_spec("widest")
+
+
+def test_the_mailbox_wakes_the_loop_once_per_burst_and_keeps_each_queue_in_order():
+    """Scheduler callbacks only collect; the after-callbacks hook hands a whole round over with one wakeup."""
+    loop = asyncio.new_event_loop()
+    try:
+        box = Mailbox(loop)
+        wakeups = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda fn, *a: (wakeups.append(fn), original(fn, *a))[1]
+        queues = [asyncio.Queue() for _ in range(3)]
+        box.wake()  # nothing collected: no wakeup
+        feeder = threading.Thread(target=lambda: ([box.put(q, ("tokens", [i, k])) for k in range(4)
+                                                   for i, q in enumerate(queues)], box.wake()))
+        feeder.start()
+        feeder.join()
+        assert len(wakeups) == 1 and all(q.empty() for q in queues)  # nothing delivered before the loop runs
+        loop.run_until_complete(asyncio.sleep(0))
+        for i, q in enumerate(queues):
+            assert [q.get_nowait() for _ in range(q.qsize())] == [("tokens", [i, k]) for k in range(4)]
+        box.wake()
+        assert len(wakeups) == 1  # the burst was handed over: nothing to wake for
+    finally:
+        loop.close()

@@ -139,6 +139,10 @@ class Scheduler:
         self.max_nodes = self.policy.max_nodes(L) if self.policy is not None else 0
         self.metrics = Metrics()
         self.on_round: Callable[[RoundOutput], None] | None = None  # sees every round (castspec.bench.load_rounds)
+        # run on this thread after each step's callbacks and after close(): a consumer that only collects in its
+        # callbacks hands everything on once here (the HTTP server wakes its event loop once per round, not
+        # once per request: each wakeup is a system call that lets the loop's thread take the GIL mid-round)
+        self.after_callbacks: list[Callable[[], None]] = []
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
         self._lock = threading.Condition()
@@ -172,6 +176,19 @@ class Scheduler:
     # -- the loop ----------------------------------------------------------------------------------------
     def step(self) -> bool:
         """Retire, admit, run one round. Returns False when there was nothing to do."""
+        try:
+            return self._step()
+        finally:
+            self._after_callbacks()
+
+    def _after_callbacks(self) -> None:
+        for hook in self.after_callbacks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a consumer's failure must not stop the rounds of the others
+                log.exception("castspec: after-callbacks hook failed")
+
+    def _step(self) -> bool:
         self._retire()
         self._admit()
         if not self._active:
@@ -335,3 +352,4 @@ class Scheduler:
             if r.seq is None or not r.seq.done:
                 self._finish(r, "cancelled")
         self._active = []
+        self._after_callbacks()

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -39,21 +40,50 @@ from .textstream import TextStream
 log = logging.getLogger("castspec.server")
 
 
-class Handle:
-    """Bridges one scheduler request to the event loop: the scheduler thread pushes, the handler awaits."""
+class Mailbox:
+    """Carries what the scheduler thread hands over into the event loop's queues: callbacks only collect
+    (`put`), and `wake` (the scheduler's after-callbacks hook) hands a whole round's items over with one wakeup
+    of the loop. A wakeup per item (call_soon_threadsafe writes the loop's self-pipe) is a system call that lets
+    the loop's thread take the GIL in the middle of the round's deliveries, every time."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, tuple]] = []
+
+    def put(self, queue: asyncio.Queue, item: tuple) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+
+    def wake(self) -> None:
+        with self._lock:
+            if not self._items:
+                return
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class Handle:
+    """Bridges one scheduler request to the event loop: the scheduler thread pushes, the handler awaits."""
+
+    def __init__(self, mailbox: Mailbox):
+        self.mailbox = mailbox
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def on_tokens(self, tokens: list[int]) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("tokens", list(tokens)))
+        self.mailbox.put(self.queue, ("tokens", list(tokens)))
 
     def on_logprobs(self, logprobs: list) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("logprobs", logprobs))
+        self.mailbox.put(self.queue, ("logprobs", logprobs))
 
     def on_done(self, reason: str, error: str | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("done", (reason, error)))
+        self.mailbox.put(self.queue, ("done", (reason, error)))
 
     def end(self, message: str) -> None:
         """End the request now (on the event loop): its handler answers 503 or an SSE error event."""
@@ -80,6 +110,7 @@ class InFlight:
         self.handles: dict[Handle, SchedRequest] = {}
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.mailbox: Mailbox | None = None  # the scheduler thread's way into that loop (set with it)
         self._timer: asyncio.TimerHandle | None = None
 
     def check_open(self) -> None:
@@ -132,6 +163,8 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         inflight.loop = asyncio.get_running_loop()
+        inflight.mailbox = Mailbox(inflight.loop)
+        scheduler.after_callbacks.append(inflight.mailbox.wake)
         stop = scheduler.start()
         try:
             yield
@@ -166,14 +199,14 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
             return snap
         return PlainTextResponse(prometheus(snap))
 
-    def submit(job: Prepared, loop: asyncio.AbstractEventLoop) -> list[Choice]:
+    def submit(job: Prepared) -> list[Choice]:
         """Admit the request's n continuations (the first reads the prompt, the others fork from it); all or
         none: a refusal of any of them withdraws the others."""
         inflight.check_open()
         choices: list[Choice] = []
         try:
             for i, cfg in enumerate(job.choice_configs()):
-                handle = Handle(loop)
+                handle = Handle(inflight.mailbox)
                 req = SchedRequest(job.ids, cfg, handle.on_tokens, handle.on_done,
                                    on_logprobs=handle.on_logprobs if cfg.logprobs is not None else None,
                                    fork_of=choices[0].req if choices else None)
@@ -195,7 +228,7 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
         inflight.check_open()
         raw = await read_body(http, config.max_body_bytes)
         job = await asyncio.get_running_loop().run_in_executor(preparing, frontend.prepare, raw, chat)
-        choices = submit(job, asyncio.get_running_loop())
+        choices = submit(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         meta = {"id": rid, "created": int(time.time()), "model": config.model_name}
         if job.stream:
