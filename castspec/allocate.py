@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import METHODS, DecodeConfig
-from .cost import Calibration, CostProfile, RoundWidth
+from .cost import DRAFT_CONTEXT_ROWS, Calibration, CostProfile, RoundWidth
 from .tree import Tree, build_forest, build_tree, universe_size
 
 POLICIES = ("chain", "fixed", "uniform", "shared", "cost")
@@ -32,9 +32,10 @@ class Policy:
                  supports: list[torch.Tensor | None] | None = None) -> list[Tree]:
         raise NotImplementedError
 
-    def should_draft(self, batch: int = 1) -> bool:
+    def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False) -> bool:
         """Whether this round, of `batch` requests that could draft, drafts at all (a round without a draft is a
-        plain autoregressive step)."""
+        plain autoregressive step); `context_rows`: the rows their drafter pass would also fuse (what they
+        committed since they last drafted, or their prompts); `prefilling`: the round also reads a prompt."""
         return True
 
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
@@ -117,6 +118,8 @@ class SharedBudget(Policy):
 # request committed this many tokens per round (twice a plain round's) from the fewest tree nodes that can commit
 # them (PRIOR_TOKENS - 1 per request: every drafted token it commits was verified).
 PRIOR_TOKENS = 2.0
+# plain rounds of a batch bucket measured before the profile's price of drafting at that batch is trusted
+PLAIN_FIRST = 3
 
 
 def _ema(old: float | None, value: float, momentum: float) -> float:
@@ -185,6 +188,7 @@ class CostAware(Policy):
         # under load (batch > 1), measured like with like: plain rounds' tokens per ms at each batch, and drafted
         # rounds' gain over them (EMA) per batch bucket (batch_bucket), read by draft_could_pay once measured
         self.plain_rates: dict[int, float] = {}
+        self.plain_seen: dict[int, int] = {}  # plain rounds measured per batch bucket
         self.gains: dict[int, float] = {}
 
     def _plain_rate(self) -> float:
@@ -194,15 +198,18 @@ class CostAware(Policy):
     def max_nodes(self, depth: int) -> int:
         return min(self.rule.max_width, universe_size(depth, self.top_k_per_position))
 
-    def draft_could_pay(self, batch: int) -> bool:
+    def draft_could_pay(self, batch: int, context_rows: int = 0) -> bool:
         """Whether a drafted round of `batch` requests is predicted to commit more per ms than a plain one: the
         drafted round priced by the profile (its batched drafter pass and verify) at the acceptance drafted rounds
         have shown per request (tokens and nodes), the plain round measured at this batch once one has run (priced
         too before). Acceptance does not depend on the batch; the cost of drafting does (a pass for 16 requests'
         blocks is mostly compute and can cost about a plain round). Before drafted rounds are measured, with
         PRIOR_TOKENS per request from PRIOR_TOKENS - 1 nodes each. Without batched shapes in the profile, the pass
-        is priced from the single-request pass (CostProfile.batch_draft_at); True where nothing prices it. Once
-        drafted rounds of about this batch have been measured, their gain over plain rounds decides instead."""
+        is priced from the single-request pass (CostProfile.batch_draft_at); True where nothing prices it. The pass
+        also fuses `context_rows` (beyond the probed pass's few per request): a batch's first drafted round reads
+        all their prompts, which can cost more than the round gains, and it sets requests apart for good (they
+        finish in different rounds, so the prompts of their successors are read in more rounds). Once drafted
+        rounds of about this batch have been measured, their gain over plain rounds decides instead."""
         gain = self.gains.get(batch_bucket(batch))
         if gain is not None:
             return gain >= 1.0
@@ -213,21 +220,35 @@ class CostAware(Policy):
             return True
         tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * batch) if self.request_tokens is None else \
             (self.request_tokens, self.request_nodes * batch)
-        drafted_ms = draft + prof.batch_verify_at(batch, batch + nodes, prefix) + prof.batch_host_at(batch, nodes)
+        context = max(context_rows - DRAFT_CONTEXT_ROWS * batch, 0) * prof.context_row_ms(prefix, batch, self.block_rows)
+        drafted_ms = (draft + context + prof.batch_verify_at(batch, batch + nodes, prefix)
+                      + prof.batch_host_at(batch, nodes))
         return batch * tokens / max(drafted_ms, 1e-6) >= self._batch_plain_rate(batch)
 
-    def should_draft(self, batch: int = 1) -> bool:
-        if self.burst is not None:
-            return True
-        if batch > 1 and batch_bucket(batch) in self.gains:
-            return self.draft_could_pay(batch)  # under load: drafted rounds measured against plain ones
-        if batch > 1 and not any(batch_bucket(b) == batch_bucket(batch) for b in self.plain_rates):
-            # under load, as for one request: a plain round of about this batch is measured first (it is what
-            # drafting must beat, and a drafted round sets requests apart, which spreads their newcomers'
-            # prompts over many rounds for good)
+    def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False) -> bool:
+        if prefilling:
+            # a round that also reads a prompt costs what the prompt costs, so it tells the policy nothing of
+            # drafting (run_round gives it no update): drafting there would go on the prior for good, and it sets
+            # the decoding requests apart, so their successors' prompts are read in more rounds
             return False
-        if batch > 1 and not self.draft_could_pay(batch):
-            return False  # under load the profile prices drafting out, whatever it has measured so far
+        if self.burst is not None and (batch == 1 or self.burst[2] > 0):
+            return True  # a try that is due (one request), or one that has begun
+        if batch > 1:
+            bucket = batch_bucket(batch)
+            if self.plain_seen.get(bucket, 0) < PLAIN_FIRST:
+                # under load, as for one request: plain rounds of about this batch are measured first (they are
+                # what drafting must beat, and a drafted round sets requests apart, which spreads their
+                # newcomers' prompts over many rounds for good); a few, since one round is a noisy price
+                return False
+            # drafted rounds of about this batch measured against plain ones; before that the profile's price,
+            # the context the pass must fuse included
+            pays = self.draft_could_pay(batch, context_rows)
+            if self.burst is not None:
+                # a try that is due waits until its round can pay at this batch, or for the longest gap under
+                # load (the acceptance it assumes may be stale)
+                return pays or self.skipped >= self.max_explore_loaded
+            if bucket in self.gains or not pays:
+                return pays
         if self.drafted < self.min_drafted or self.draft_rate is None:
             return True
         if self.plain_rate is None:
@@ -257,25 +278,33 @@ class CostAware(Policy):
         return batch / max(prof.plain_round_ms(batch, prof.prefix_lens[0]), 1e-6)
 
     def _batch_plain_rate(self, batch: int) -> float:
-        """Tokens per ms of a plain round of `batch` requests: measured, else the profile's price."""
+        """Tokens per ms of a plain round of `batch` requests: measured; else a measured batch of the same
+        bucket, rescaled as the profile prices the two (its level can be off, as on a busy machine, its shape
+        less so); else the profile's price."""
         rate = self.plain_rates.get(batch)
-        return rate if rate is not None else self._priced_plain_rate(batch)
+        if rate is not None:
+            return rate
+        near = [b for b in self.plain_rates if batch_bucket(b) == batch_bucket(batch)]
+        if not near:
+            return self._priced_plain_rate(batch)
+        b = min(near, key=lambda b: abs(b - batch))
+        return self.plain_rates[b] * self._priced_plain_rate(batch) / self._priced_plain_rate(b)
 
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
         rate = committed / max(round_ms, 1e-6)
         if not drafted:
             self.skipped += 1
             self.plain_rate = _ema(self.plain_rate, rate, self.momentum)
-            # a plain round commits one token per request: `committed` is its batch. Under load, a try that
-            # cannot pay at this batch (draft_could_pay) waits for the longest gap under load (the acceptance it
-            # assumes may be stale); one request's tries go by the measured rates alone, which compare like with
-            # like
+            # a plain round commits one token per request: `committed` is its batch. A try falls due after
+            # explore_every plain rounds; under load, one that cannot pay at its batch (draft_could_pay, the
+            # context its pass fuses included) waits in should_draft for the longest gap under load (the
+            # acceptance it assumes may be stale); one request's tries go by the measured rates alone
             batch = committed
             if batch > 1:
                 self.plain_rates[batch] = _ema(self.plain_rates.get(batch), rate, self.momentum)
-            if self.skipped >= self.explore_every and (batch == 1 or self.draft_could_pay(batch)
-                                                       or self.skipped >= self.max_explore_loaded):
-                self.burst = [self.try_rounds, 0.0, 0.0]
+                self.plain_seen[batch_bucket(batch)] = self.plain_seen.get(batch_bucket(batch), 0) + 1
+            if self.skipped >= self.explore_every and self.burst is None:
+                self.burst = [self.try_rounds, 0.0, 0.0]  # due; under load should_draft may hold it back
             return
         first = self.drafted == 0
         self.drafted += self.batch

@@ -47,6 +47,10 @@ def interp_rows(x: float, xp: list, rows: np.ndarray) -> np.ndarray:
     return slope * (x - xp[j]) + rows[j]
 
 
+# context rows per request in the probed drafter passes (`draft_ms`, batched `draft_ms`): a typical round's commit
+DRAFT_CONTEXT_ROWS = 3
+
+
 @dataclass
 class CostProfile:
     key: dict  # device, dtype, target, drafter
@@ -64,6 +68,10 @@ class CostProfile:
     # [prefix] (absent from profiles without prefill_ms); batched entries carry theirs. None in
     # profiles written before floors were measured.
     floor: dict | None = None
+    # [prefix] what each pending context row adds to one drafter pass (ms): a request that has not drafted for a
+    # while, or whose prompt the drafter has not read yet, has its pass also fuse those rows. None in profiles
+    # written before it was probed
+    draft_context_ms: list[float] | None = None
 
     def verify_at(self, n, prefix: float):
         """Verify latency of one request's forward of n packed tokens (a float; an array for an array of n)."""
@@ -117,6 +125,21 @@ class CostProfile:
         probed = sorted(int(b) for b in self.batch)
         draft_ms = [self.draft_at(prefix), *(self.batch[str(b)]["draft_ms"] for b in probed)]
         return extend_interp(batch, [1, *probed], draft_ms)
+
+    def context_row_ms(self, prefix: float, batch: int = 1, block_rows: int | None = None) -> float:
+        """What one more pending context row adds to a drafter pass of `batch` requests (ms). Probed per batch
+        size: a pass of one block rides on the weight read and takes context rows almost free, a pass of 16
+        blocks is compute and pays for each; interpolated over the probed batch sizes as the pass itself. In
+        profiles without it, priced like a row of the probed pass (an upper bound: a context row only feeds the
+        drafter's keys and values), given the rows of one request's block; else 0."""
+        if not self.draft_context_ms:
+            return 0.0 if not block_rows else self.draft_at(prefix) / (block_rows + DRAFT_CONTEXT_ROWS)
+        single = float(np.interp(prefix, self.prefix_lens, self.draft_context_ms))
+        probed = sorted(int(b) for b in self.batch if "draft_context_ms" in self.batch[b])
+        if batch <= 1 or not probed:
+            return single
+        return max(float(extend_interp(batch, [1, *probed],
+                                       [single, *(self.batch[str(b)]["draft_context_ms"] for b in probed)])), 0.0)
 
     def plain_round_ms(self, batch: int, prefix: float) -> float:
         """A round without a draft: the verify of `batch` roots and the host work of their empty trees."""

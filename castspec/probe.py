@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from .config import DecodeConfig
-from .cost import CostProfile, profile_key
+from .cost import DRAFT_CONTEXT_ROWS, CostProfile, profile_key
 from .floor import Floors, draft_cost, prefill_cost, verify_cost
 from .native import build as native
 from .native import forward as native_step
@@ -26,7 +26,7 @@ from .verify import greedy_walk
 
 DEFAULT_PACKED = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 QUICK_PACKED = (1, 2, 4, 8, 16, 32, 64)
-DRAFT_KEEP = 3  # new context rows per timed drafter pass (a typical round's commit)
+CONTEXT_PROBE_ROWS = 64  # context rows of the wider drafter pass that prices a pending context row
 
 
 def _median_ms(fn, reps: int, warmup: int, device) -> float:
@@ -88,22 +88,36 @@ def _verify_call(target, seqs: list[Sequence], tree) -> Callable[[], None]:
     return verify
 
 
-def _draft_call(target, drafter, seqs: list[Sequence], depth: int, keep: int = DRAFT_KEEP) -> Callable[[], None]:
-    """One batched drafter pass as a typical round runs it: the context cache is filled once, then every call
-    drafts after `keep` new committed positions (the rest of the context is already cached)."""
+def _draft_calls(target, drafter, seqs: list[Sequence], depth: int) -> Callable[[int], Callable[[], None]]:
+    """Batched drafter passes as a typical round runs them: the context caches are filled once; the callable
+    returned gives, for `keep` new context rows, a pass that drafts after `keep` new committed positions (the
+    rest of the context is already cached)."""
     states = [s.draft for s in seqs]
     ctx = [st.pending for st in states]
     ends = [st.cache.length + c.shape[1] for st, c in zip(states, ctx)]
     roots = [s.root for s in seqs]
     propose_batch(target, drafter, states, roots, [depth] * len(seqs))  # fill the context caches once
 
-    def draft():
-        for st, c, end in zip(states, ctx, ends):
-            st.cache.length = end - keep
-            st.pending = c[:, -keep:]
-        propose_batch(target, drafter, states, roots, [depth] * len(seqs))
+    def with_context(keep: int = DRAFT_CONTEXT_ROWS) -> Callable[[], None]:
+        def draft():
+            for st, c, end in zip(states, ctx, ends):
+                st.cache.length = end - keep
+                st.pending = c[:, -keep:]
+            propose_batch(target, drafter, states, roots, [depth] * len(seqs))
 
-    return draft
+        return draft
+
+    return with_context
+
+
+def _draft_timings(target, drafter, seqs: list[Sequence], depth: int, prefix: int, reps: int,
+                   warmup: int) -> tuple[float, float]:
+    """The batched drafter pass of `seqs` as rounds run it, and what each further pending context row adds to it
+    (from the same pass with up to CONTEXT_PROBE_ROWS context rows per request): (ms, ms per context row)."""
+    passes, wide = _draft_calls(target, drafter, seqs, depth), min(CONTEXT_PROBE_ROWS, prefix)
+    ms = _median_ms(passes(), reps, warmup, target.device)
+    wide_ms = _median_ms(passes(wide), reps, warmup, target.device)
+    return ms, max(wide_ms - ms, 0.0) / max(len(seqs) * (wide - DRAFT_CONTEXT_ROWS), 1)
 
 
 def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, warmup: int = 2,
@@ -112,7 +126,7 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
     device = target.device
     V = target.cfg.vocab_size
     L, g, logprobs = _draft_shape(drafter, V, seed)
-    verify_ms, draft_ms, prefill_ms = [], [], []
+    verify_ms, draft_ms, prefill_ms, context_ms = [], [], [], []
     bar = tqdm(total=len(prefix_lens) * (len(packed) + 1), desc="probe", disable=not progress)
     with torch.inference_mode():
         floors = Floors.measure(device, target.dtype)
@@ -133,8 +147,12 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
                                       device))
                 bar.update(1)
             verify_ms.append(row)
-            draft_ms.append(_median_ms(_draft_call(target, drafter, [seq], L), reps, warmup, device)
-                            if seq.draft is not None else 0.0)
+            if seq.draft is None:
+                draft_ms.append(0.0)
+            else:
+                ms, per_row = _draft_timings(target, drafter, [seq], L, P, reps, warmup)
+                draft_ms.append(ms)
+                context_ms.append(per_row)
             bar.update(1)
             del seq  # castspec/graphs.py lends its static cache to one live sequence: the next prefix's
         host = {}
@@ -157,7 +175,7 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
         floors = floors.best(Floors.measure(device, target.dtype))  # read again after the timings: the better
     bar.close()
     profile = CostProfile(engine_key(engine), list(packed), list(prefix_lens), verify_ms, draft_ms, host,
-                          prefill_ms=prefill_ms)
+                          prefill_ms=prefill_ms, draft_context_ms=context_ms or None)
     profile.floor = _floor_fields(engine, floors, profile)
     return profile
 
@@ -166,7 +184,7 @@ def _floor_fields(engine, floors: Floors, profile: CostProfile) -> dict:
     """The floor and measured / floor of every single-request shape in `profile` (CostProfile.floor)."""
     target, drafter = engine.target, engine.drafter
     verify_floor = [[verify_cost(target, n, P).floor_ms(floors) for n in profile.packed] for P in profile.prefix_lens]
-    draft_floor = [draft_cost(drafter, target, P, ctx_rows=DRAFT_KEEP).floor_ms(floors) if drafter else None
+    draft_floor = [draft_cost(drafter, target, P, ctx_rows=DRAFT_CONTEXT_ROWS).floor_ms(floors) if drafter else None
                    for P in profile.prefix_lens]
     prefill_floor = [prefill_cost(target, P).floor_ms(floors) for P in profile.prefix_lens]
     return {"read_gbps": floors.read_gbps, "gemm_gflops": floors.gemm_gflops, "verify_floor_ms": verify_floor,
@@ -205,12 +223,12 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
                 times.append(_median_ms(_verify_call(target, seqs, build_tree(logprobs, n - 1, top_k)), reps, warmup,
                                         device))
                 bar.update(1)
-            draft = _median_ms(_draft_call(target, drafter, seqs, L), reps, warmup, device) if drafter else 0.0
+            draft, context = _draft_timings(target, drafter, seqs, L, prefix, reps, warmup) if drafter else (0.0, 0.0)
             bar.update(1)
             verify_floor = [verify_cost(target, n, prefix, B).floor_ms(floors) for n in per_request]
-            draft_floor = draft_cost(drafter, target, prefix, B, DRAFT_KEEP).floor_ms(floors) if drafter else None
+            draft_floor = draft_cost(drafter, target, prefix, B, DRAFT_CONTEXT_ROWS).floor_ms(floors) if drafter else None
             profile.batch[str(B)] = {
-                "packed": totals, "verify_ms": times, "draft_ms": draft, "prefix": prefix,
+                "packed": totals, "verify_ms": times, "draft_ms": draft, "draft_context_ms": context, "prefix": prefix,
                 "read_gbps": floors.read_gbps, "gemm_gflops": floors.gemm_gflops,
                 "verify_floor_ms": verify_floor, "verify_ratio": _ratios(times, verify_floor),
                 "draft_floor_ms": draft_floor, "draft_ratio": _ratios([draft], [draft_floor])[0]}

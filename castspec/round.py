@@ -145,7 +145,8 @@ def draft(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence],
     sequence's marginals [depth, V] with their support (None for those that do not draft)."""
     marginals: list[Marginals | None] = [None] * len(seqs)
     drafting = [i for i, s in enumerate(seqs) if s.decoding and s.wants_draft()] if policy is not None else []
-    if not drafting or not policy.should_draft(len(drafting)):
+    if not drafting or not policy.should_draft(len(drafting), sum(seqs[i].draft.pending_rows for i in drafting),
+                                               prefilling=any(s.root is None and not s.done for s in seqs)):
         return marginals
     L = drafter.cfg.num_draft_positions
     chosen = [seqs[i] for i in drafting]

@@ -42,6 +42,7 @@ class DraftState:
         self.drafter = drafter
         self.cache = drafter.new_cache(capacity)
         self._chunks: list[torch.Tensor] = []  # the pending features, in the order the rounds added them
+        self._rows = 0  # their rows in all
 
     @property
     def pending(self) -> torch.Tensor | None:
@@ -55,9 +56,16 @@ class DraftState:
     @pending.setter
     def pending(self, features: torch.Tensor | None) -> None:
         self._chunks = [] if features is None else [features]
+        self._rows = 0 if features is None else features.shape[1]
+
+    @property
+    def pending_rows(self) -> int:
+        """How many context rows the next pass fuses (asked every round under load: kept, not summed)."""
+        return self._rows
 
     def add_context(self, features: torch.Tensor) -> None:
         self._chunks.append(features)
+        self._rows += features.shape[1]
 
     def snapshot(self) -> tuple[int, list[torch.Tensor]]:
         """What `restore` needs to undo a round: the cache length and the pending chunks as they are (not joined:
@@ -66,6 +74,7 @@ class DraftState:
 
     def restore(self, snap: tuple[int, list[torch.Tensor]]) -> None:
         self.cache.length, self._chunks = snap[0], list(snap[1])
+        self._rows = sum(c.shape[1] for c in self._chunks)
 
     def propose(self, target: Decoder, root: int, depth: int) -> Marginals:
         """Log-probabilities [depth, V] of the next `depth` tokens after `root` (at position = context end), with

@@ -15,7 +15,7 @@ from castspec.decode import DecodeStats, decode
 from castspec.engine import Engine
 from castspec.cli.probe import floor_table
 from castspec.floor import Floors, draft_cost, prefill_cost, verify_cost
-from castspec.probe import DRAFT_KEEP, plot_profile, probe, probe_batch
+from castspec.probe import DRAFT_CONTEXT_ROWS, plot_profile, probe, probe_batch
 from conftest import llama_config, make_hf, native, random_drafter
 
 PACKED = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -217,6 +217,8 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     prof = probe(engine, packed=(1, 2, 4, 8, 16), prefix_lens=(8, 32), reps=2, warmup=1, progress=False)
     assert len(prof.verify_ms) == 2 and len(prof.verify_ms[0]) == 5 and all(v > 0 for v in prof.verify_ms[0])
     assert set(prof.host_ms) == {"0", "1", "3", "7", "15"} and prof.draft_ms[0] > 0
+    # what a pending context row adds to a drafter pass, per prefix (timed: noise may put it at 0, never below)
+    assert len(prof.draft_context_ms) == 2 and all(c >= 0 for c in prof.draft_context_ms)
     # every shape's floor, at rates measured in the same run, and measured / floor
     fl = prof.floor
     assert fl["read_gbps"] > 0 and fl["gemm_gflops"] > 0
@@ -225,7 +227,7 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
         assert fl["verify_floor_ms"][i] == [verify_cost(target, n, P).floor_ms(floors) for n in prof.packed]
         pairs = zip(prof.verify_ms[i], fl["verify_floor_ms"][i])
         assert fl["verify_ratio"][i] == pytest.approx([m / f for m, f in pairs])
-        assert fl["draft_floor_ms"][i] == draft_cost(drafter, target, P, ctx_rows=DRAFT_KEEP).floor_ms(floors) > 0
+        assert fl["draft_floor_ms"][i] == draft_cost(drafter, target, P, ctx_rows=DRAFT_CONTEXT_ROWS).floor_ms(floors) > 0
         assert fl["draft_ratio"][i] == pytest.approx(prof.draft_ms[i] / fl["draft_floor_ms"][i])
         # a prompt of P tokens read in one round, with its floor
         assert prof.prefill_ms[i] > 0 and fl["prefill_floor_ms"][i] == prefill_cost(target, P).floor_ms(floors)
@@ -233,6 +235,7 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     assert all(f > 0 for row in fl["verify_floor_ms"] for f in row)
     probe_batch(engine, prof, batch_sizes=(2, 3), per_request=(1, 4), prefix=8, reps=1, warmup=0, progress=False)
     assert prof.batch["3"]["packed"] == [3, 12] and all(v > 0 for v in prof.batch["3"]["verify_ms"])
+    assert prof.batch["3"]["draft_context_ms"] >= 0 and prof.context_row_ms(8, 3) >= 0
     assert prof.batch["2"]["draft_ms"] > 0
     entry = prof.batch["3"]
     assert entry["verify_floor_ms"] == [verify_cost(target, n, 8, 3).floor_ms(floors) for n in (1, 4)]

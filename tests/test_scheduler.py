@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from castspec.allocate import Chain, CostAware, FixedWidth, PolicySpec, SharedBudget, UniformSplit, make_policy
+from castspec.allocate import PLAIN_FIRST, Chain, CostAware, FixedWidth, PolicySpec, SharedBudget, UniformSplit, make_policy
 from castspec.round import run_round, warm_up
 from castspec.config import DecodeConfig
 from castspec.cost import CostProfile, RoundWidth
@@ -34,6 +34,13 @@ def prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 23, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+def plain_rounds(policy, batch, ms, n=PLAIN_FIRST):
+    """`n` plain rounds of `batch` requests in `ms` each, as a cost policy is told of them (under load it measures
+    PLAIN_FIRST of them before it trusts the profile's price of drafting)."""
+    for _ in range(n):
+        policy.update(batch, ms, drafted=False)
 
 
 def flat_profile(slope=0.0):
@@ -341,7 +348,7 @@ def test_cost_policy_skips_tries_the_profile_prices_out_under_load(batch_draft_m
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
                        max_explore_every=16, max_explore_loaded=16)
     assert policy.should_draft(1) and not policy.should_draft(16)  # under load a plain round is measured first
-    policy.update(16, 20.0, drafted=False)
+    plain_rounds(policy, 16, 20.0)
     assert policy.should_draft(16) == tries  # before any drafted round: PRIOR_TOKENS
     policy.batch, policy.nodes = 2, 2  # the acceptance is measured on rounds of 2 requests, none of 16 yet
     policy.update(3, 200.0)  # warm-up round
@@ -368,8 +375,44 @@ def test_cost_policy_prior_under_load_pays_for_the_nodes_its_tokens_need(verify_
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, verify_32_ms, 80.0], "draft_ms": 1.0}}
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None))
     assert not policy.should_draft(16) and policy.should_draft(1)  # under load a plain round is measured first
-    policy.update(16, 20.0, drafted=False)
+    plain_rounds(policy, 16, 20.0)
     assert policy.should_draft(16) == drafts
+
+
+@pytest.mark.parametrize("single,batched,drafts", [(None, None, False), ([0.001, 0.001], 0.1, False),
+                                                   ([0.1, 0.1], 0.001, True)])
+def test_cost_policy_prices_the_context_a_first_batched_pass_fuses(single, batched, drafts):
+    # 16 requests whose drafter has not read their prompts (1600 context rows): the profile prices a pass with a
+    # few context rows per request at 1 ms, which pays (32 tokens in ~31 ms against 16 in 20). The price of a
+    # context row is the batch's own: at 0.1 ms a row that pass costs 160 ms more and cannot pay, at 0.001 ms it
+    # can (one request's price says nothing of 16's). A profile without prices per row prices a context row like
+    # a row of the probed pass (1 ms / (8 block rows + 3)): it cannot pay either.
+    prof = flat_profile(0.0)
+    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 30.0, 80.0], "draft_ms": 1.0}}
+    prof.draft_context_ms = single
+    if batched is not None:
+        prof.batch["16"]["draft_context_ms"] = batched
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None), block_rows=8)
+    plain_rounds(policy, 16, 20.0, PLAIN_FIRST - 1)
+    assert not policy.should_draft(16, context_rows=16 * 3)  # a few plain rounds of 16 are measured first
+    plain_rounds(policy, 16, 20.0, 1)
+    assert policy.should_draft(16, context_rows=16 * 3)  # what the probed pass fuses: no extra price
+    assert not policy.should_draft(16, context_rows=16 * 3, prefilling=True)  # the round also reads a prompt
+    assert policy.should_draft(16, context_rows=1600) == drafts
+    assert policy.should_draft(1, context_rows=1600)  # one request drafts its first rounds whatever they cost
+
+
+def test_cost_policy_prices_a_plain_round_from_a_measured_batch_of_its_bucket():
+    # plain rounds of 16 measured at twice the profile's price: a round of 12 (same bucket, not measured) is
+    # priced at the measured level with the profile's shape; a round of 4 (another bucket) stays the profile's
+    prof = flat_profile(1.0)
+    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 30.0, 80.0], "draft_ms": 1.0}}
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None))
+    priced = {b: policy._batch_plain_rate(b) for b in (4, 12, 16)}
+    plain_rounds(policy, 16, 2 * prof.plain_round_ms(16, 0.0))
+    assert policy._batch_plain_rate(16) == pytest.approx(priced[16] / 2)
+    assert policy._batch_plain_rate(12) == pytest.approx(priced[12] / 2)
+    assert policy._batch_plain_rate(4) == priced[4]
 
 
 @pytest.mark.parametrize("drafted_ms,drafts", [(40.0, False), (25.0, True)])
@@ -381,7 +424,7 @@ def test_cost_policy_under_load_goes_by_drafted_rounds_measured_at_that_batch(dr
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": 1.0}}
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
                        max_explore_every=16, max_explore_loaded=16)
-    policy.update(16, 20.0, drafted=False)
+    plain_rounds(policy, 16, 20.0)
     assert policy.should_draft(16)
     policy.batch, policy.nodes = 16, 16
     policy.update(24, drafted_ms)  # under load the first drafted round counts too
@@ -409,7 +452,7 @@ def test_cost_policy_prices_a_batched_pass_from_one_request_without_batched_shap
     assert prof.batch_draft_at(16, 0.0, 16) == pytest.approx(5 * prof.verify_at(256, 0.0) / prof.verify_at(16, 0.0))
     assert prof.batch_draft_at(1, 0.0, 16) == prof.draft_at(0.0)
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), block_rows=16)
-    policy.update(16, prof.plain_round_ms(16, 0.0), drafted=False)
+    plain_rounds(policy, 16, prof.plain_round_ms(16, 0.0))
     assert policy.should_draft(1) and policy.should_draft(16) == drafts
     assert make_policy(PolicySpec.parse("cost"), 15, prof).block_rows == 16
 
@@ -421,12 +464,13 @@ def test_pending_features_join_in_order_when_read(models):
     chunks = [torch.randn(1, n, 8) for n in (5, 1, 2)]
     for c in chunks:
         state.add_context(c)
+    assert state.pending_rows == 8 and len(state._chunks) == 3  # counted without joining them
     assert torch.equal(state.pending, torch.cat(chunks, dim=1)) and torch.equal(state.pending, torch.cat(chunks, dim=1))
     state.pending = chunks[0][:, 2:]
     state.add_context(chunks[1])
-    assert torch.equal(state.pending, torch.cat([chunks[0][:, 2:], chunks[1]], dim=1))
+    assert torch.equal(state.pending, torch.cat([chunks[0][:, 2:], chunks[1]], dim=1)) and state.pending_rows == 4
     state.pending = None
-    assert state.pending is None
+    assert state.pending is None and state.pending_rows == 0
     # a round's rollback restores the cache length and the pending chunks, which a snapshot does not join
     state.add_context(chunks[0])
     state.add_context(chunks[1])
@@ -436,6 +480,7 @@ def test_pending_features_join_in_order_when_read(models):
     state.cache.length = 7
     state.restore(snap)
     assert state.cache.length == 0 and torch.equal(state.pending, torch.cat(chunks[:2], dim=1))
+    assert state.pending_rows == 6
 
 
 def test_cost_policy_measures_a_plain_round_before_trusting_the_profile():
@@ -479,13 +524,13 @@ def test_cost_policy_counts_request_rounds_under_load():
     policy.batch = 16  # what allocate() records for a round of 16 drafting requests
     policy.update(16, 200.0)  # warm-up round
     policy.update(16, 400.0)  # 0.04 tokens/ms against plain rounds of 16 tokens in 10 ms
-    assert not policy.should_draft()  # burn-in done after one round of 16: measure a plain round
+    assert not policy.should_draft(16)  # burn-in done after one round of 16: measure a plain round
     for _ in range(8):
-        assert not policy.should_draft()
+        assert not policy.should_draft(16)
         policy.update(16, 10.0, drafted=False)
-    assert policy.should_draft()  # a try
+    assert policy.should_draft(16)  # a try
     policy.update(16, 400.0)
-    assert not policy.should_draft() and policy.explore_every == 8  # one round of 16 was the whole try
+    assert not policy.should_draft(16) and policy.explore_every == 8  # one round of 16 was the whole try
 
 
 class Recording(FixedWidth):

@@ -40,7 +40,7 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: boo
     sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=parsed.policy,
                                              width=parsed.width), method)
     if spec.endswith("-plain"):
-        sched.policy.should_draft = lambda batch=1: False  # this run's policy object only
+        sched.policy.should_draft = lambda *_, **__: False  # this run's policy object only
     rounds, done = [], []
 
     def log(out) -> None:
