@@ -281,3 +281,41 @@ def test_row_kernel_keeps_fp32_sums_for_fp32_activations(lib):
         assert out.dtype == torch.float32
         assert ((out.double() - exact).abs() <= 1e-5 * exact.abs().max()).all()
         assert not torch.equal(out, out.bfloat16().float())  # fp32 sums, not rounded ones
+
+
+def check_argmax_rows():
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(R, V, generator=g) for R, V in [(1, 49152), (16, 4099), (3, 17), (5, 1), (2, 33)]]
+    special = torch.randn(5, 40, generator=g)
+    special[0, 5] = special[0, 30] = 9.0  # a tie: the first
+    special[1, :] = -float("inf")
+    special[2, 7] = special[2, 35] = float("nan")  # NaN wins, the first one
+    special[2, 3] = 99.0
+    special[3, :] = -1.0
+    special[3, 18], special[3, 20] = -0.0, 0.0  # equal values: the first
+    special[4, 39] = float("nan")  # in the tail after the vector lanes
+    for x in [*rows, special]:
+        assert native.argmax_rows(x) == x.numpy().argmax(-1).tolist()
+    # what it does not take: other dtypes, one row alone, a strided view
+    assert native.argmax_rows(special.double()) is None and native.argmax_rows(special[0]) is None
+    assert native.argmax_rows(torch.randn(8, 64)[:, ::2]) is None
+
+
+def test_argmax_rows_is_numpys_argmax(lib):
+    """The verify step's greedy tokens (native argmax_rows) against numpy's argmax: first of tied maxima, the
+    first NaN of a row that has one, rows of -inf, -0.0 beside 0.0, row lengths with every tail."""
+    check_argmax_rows()
+
+
+def test_argmax_rows_in_the_avx2_build(monkeypatch):
+    """The same on the AVX2 build (its compare is avx2.h's emulation of the AVX-512 one), where this CPU runs it."""
+    if not native.cpu_supported("avx2"):
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setenv("CASTSPEC_NATIVE", "avx2")
+    native.library.cache_clear()
+    try:
+        if native.library() is None:
+            pytest.skip("the AVX2 build did not build here (no C compiler?)")
+        check_argmax_rows()
+    finally:
+        native.library.cache_clear()

@@ -239,6 +239,21 @@ def _call(lib, x2: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None 
     return out
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """The index of each row's first largest value of fp32 logits [R, V] on the CPU, as numpy's and torch's
+    argmax (the first NaN where a row has one), through the C library (one vector pass a row, rows over both
+    threads); None where it does not apply."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or not logits.is_contiguous() or logits.shape[1] == 0):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out.tolist()
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """x [..., I] @ weight[O, I]^T for at most MAX_ROWS[dtype] rows on CPU, or None when the kernels do not
     apply; in x's dtype, or fp32 sums for bf16 inputs with out_dtype=torch.float32."""

@@ -259,5 +259,9 @@ CS_INLINE float cs_reduce_max_ps(cs_ps a) { /* MAXPS(x, y): y when either is NaN
 #define _mm512_cvtneps_pbh cs_cvtneps_pbh
 #define _mm512_reduce_add_ps cs_reduce_add_ps
 #define _mm512_reduce_max_ps cs_reduce_max_ps
+/* a compare's 16 lanes as bits (a macro: the predicate must reach VCMPPS as an immediate) */
+#define _mm512_cmp_ps_mask(a, b, p)                                                                         \
+    ((cs_mask16)(_mm256_movemask_ps(_mm256_cmp_ps((a).lo, (b).lo, (p)))                                     \
+                 | (_mm256_movemask_ps(_mm256_cmp_ps((a).hi, (b).hi, (p))) << 8)))
 
 #endif

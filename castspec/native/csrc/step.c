@@ -126,3 +126,43 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     free(arena.base);
     return 0;
 }
+
+/* The index of the first largest value of v[0, V), as numpy's and torch's argmax give it: the first NaN where
+ * there is one. One pass: each lane keeps its largest value and where it first saw it (indices as fp32, exact
+ * below 2^24), then the lanes' largest value and, among the lanes that hold it, the first index. */
+static int64_t first_argmax(const float *v, int V) {
+    static const float lane[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    __m512 best = _mm512_set1_ps(-INFINITY), where = _mm512_setzero_ps(), idx = _mm512_loadu_ps(lane);
+    const __m512 step = _mm512_set1_ps(16.0f);
+    __mmask16 nan = 0;
+    int i = 0;
+    for (; i + 16 <= V; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        const __mmask16 gt = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ); /* strictly: a lane keeps its first */
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        best = _mm512_mask_blend_ps(gt, best, x);
+        where = _mm512_mask_blend_ps(gt, where, idx);
+        idx = _mm512_add_ps(idx, step);
+    }
+    float b[16], w[16], top = -INFINITY;
+    int64_t at = 0;
+    _mm512_storeu_ps(b, best);
+    _mm512_storeu_ps(w, where);
+    for (int l = 0; l < 16; ++l)
+        if (b[l] > top || (b[l] == top && (int64_t)w[l] < at)) top = b[l], at = (int64_t)w[l];
+    for (int j = i; j < V; ++j) {
+        if (v[j] != v[j]) nan = 1;
+        else if (v[j] > top) top = v[j], at = j;
+    }
+    if (nan)
+        for (int j = 0; j < V; ++j)
+            if (v[j] != v[j]) return j;
+    return at;
+}
+
+/* The greedy token of each of R rows of logits [R, V] (fp32, contiguous) into out[R]: the verify step's read
+ * of its logits, rows split over the threads. */
+void argmax_rows(const float *logits, int R, int V, int64_t *out) {
+    _Pragma("omp parallel for schedule(static) if (R > 1)")
+    for (int r = 0; r < R; ++r) out[r] = first_argmax(logits + (int64_t)r * V, V);
+}
