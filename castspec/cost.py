@@ -309,6 +309,16 @@ def pava(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return np.concatenate([[v] * n for v, _, n in out])
 
 
+def least_slopes(table: np.ndarray) -> np.ndarray:
+    """slopes[n] = min over m > n of (l(m) - l(n)) / (m - n): what any node after the n-th costs at least, on
+    average (inf for the last). Every request's policy builds these tables again, so in one array operation."""
+    n = np.arange(len(table))
+    ahead = n[None, :] - n[:, None]  # m - n
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slopes = (table[None, :] - table[:, None]) / ahead
+    return np.where(ahead > 0, slopes, np.inf).min(axis=1)
+
+
 class RoundWidth:
     """The per-round (Lagrangian) rule: the width N maximizing sum_{i<=N} rho_i - lambda * l(N), i.e. keep node
     i while rho_i >= lambda * (l(i) - l(i-1)) where costs are convex.
@@ -331,11 +341,7 @@ class RoundWidth:
         if (bucket, batch) not in self._tables:
             # the draft is already paid when the round decides its width: only verify + host costs are marginal
             table = self.profile.verify_table(self.max_width * batch, bucket, batch)
-            # slopes[n] = min over m > n of (l(m) - l(n)) / (m - n): what any later node costs at least, on average
-            slopes = np.full(len(table), np.inf)
-            for n in range(len(table) - 1):
-                slopes[n] = np.min((table[n + 1:] - table[n]) / np.arange(1, len(table) - n))
-            self._tables[bucket, batch] = table, slopes
+            self._tables[bucket, batch] = table, least_slopes(table)
         return self._tables[bucket, batch]
 
     def _table(self, prefix: int, batch: int) -> np.ndarray:
@@ -389,15 +395,19 @@ class RoundWidth:
         # "add while rho >= lambda * delta l" is the same answer on convex costs, but measured costs have steps
         # (the first extra packed row costs more than the next few), and a greedy stop would refuse a whole
         # cheap tree because its first node alone does not pay for the step
-        order, gains = [], [0.0]
-        heap = [(-m[0], i, 0) for i, m in enumerate(masses) if len(m)]
-        heapq.heapify(heap)
-        while heap and len(order) + 1 < len(table):
-            neg, i, k = heapq.heappop(heap)
-            order.append(i)
-            gains.append(gains[-1] - neg)
-            if k + 1 < len(masses[i]):
-                heapq.heappush(heap, (-masses[i][k + 1], i, k + 1))
+        if B == 1:  # one request's candidates are already in best-first order
+            order = [0] * min(len(masses[0]), len(table) - 1)
+            gains = np.concatenate([[0.0], np.cumsum(masses[0][:len(order)])])
+        else:
+            order, gains = [], [0.0]
+            heap = [(-m[0], i, 0) for i, m in enumerate(masses) if len(m)]
+            heapq.heapify(heap)
+            while heap and len(order) + 1 < len(table):
+                neg, i, k = heapq.heappop(heap)
+                order.append(i)
+                gains.append(gains[-1] - neg)
+                if k + 1 < len(masses[i]):
+                    heapq.heappush(heap, (-masses[i][k + 1], i, k + 1))
         best = int(np.argmax(np.asarray(gains) - lam * table[:len(gains)]))
         taken = [0] * B
         for i in order[:best]:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from castspec import allocate
 from castspec.allocate import PolicySpec, make_policy
 from castspec.config import DecodeConfig
-from castspec.cost import Calibration, CostProfile, RoundWidth, throughput, width_affine, width_table
+from castspec.cost import Calibration, CostProfile, RoundWidth, least_slopes, throughput, width_affine, width_table
 from castspec.decode import DecodeStats, decode
 from castspec.engine import Engine
 from castspec.cli.probe import floor_table
@@ -344,3 +344,23 @@ def test_concurrent_profile_saves_never_show_a_partial_file(tmp_path):
         codes = [p.wait(timeout=120) for p in procs]
     assert codes == [0, 0] and reads > 0
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+def test_least_slopes_and_one_request_width_match_their_definitions():
+    """RoundWidth's tables: slopes[n] = min over m > n of (l(m) - l(n)) / (m - n); with one request the width is
+    the N maximizing g(N) - lambda * l(N) over its best-first masses (brute force over every N)."""
+    rng = np.random.default_rng(0)
+    for L in (1, 2, 9, 64):
+        table = np.maximum.accumulate(rng.random(L) * 3 + np.arange(L) * 0.2)
+        brute = [min(((table[m] - table[n]) / (m - n) for m in range(n + 1, L)), default=np.inf) for n in range(L)]
+        assert np.allclose(least_slopes(table), brute)
+    packed = [1, 2, 4, 8, 16, 32, 64]
+    prof = CostProfile({}, packed, [0, 1024], [[10 + 0.3 * n + (n > 16) * 4.0 for n in packed]] * 2, [1.0, 1.0])
+    for seed in range(20):
+        r = np.random.default_rng(seed)
+        masses = np.sort(r.random(40) ** 3)[::-1]
+        rule = RoundWidth(prof, 40, init_throughput=float(r.uniform(0.05, 2.0)))
+        got = rule.choose(list(np.log(masses)), [1] * 40, 100)
+        table = rule._table(100, 1)
+        value = [masses[:n].sum() - rule.lam * table[n] for n in range(len(masses) + 1)]
+        assert got == int(np.argmax(value))
