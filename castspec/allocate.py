@@ -157,6 +157,9 @@ class CostAware(Policy):
     round of the same batch (`draft_could_pay`) until drafted rounds of about that batch have been measured;
     from then on their measured gain over plain rounds of the same batch decides (`gains`): the profile prices
     neither the host work of many trees nor a pass that also fuses the context of the rounds that did not draft.
+    The prior does price that context (the rows every request's pass would fuse, at the profile's price per
+    context row for the batch), and counts only after PLAIN_FIRST plain rounds of the batch's bucket; no round
+    that also reads a prompt drafts (it gives the policy no update, and drafting there sets requests apart).
     """
 
     name = "cost"
