@@ -15,7 +15,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -201,7 +201,10 @@ class CostProfile:
 
     @staticmethod
     def load(path: Path) -> "CostProfile":
-        return CostProfile(**json.loads(Path(path).read_text()))
+        """A saved profile; fields this version does not know (written by a newer one) are left out, so that
+        revisions sharing one cache (a paired comparison with an older checkout) read each other's profiles."""
+        known = {f.name for f in fields(CostProfile)}
+        return CostProfile(**{k: v for k, v in json.loads(Path(path).read_text()).items() if k in known})
 
 
 def profile_key(device: str, dtype: str, target: str, drafter: str) -> dict:

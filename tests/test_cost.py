@@ -196,6 +196,10 @@ def test_a_profile_written_before_floors_still_loads(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(old))
     prof = CostProfile.load(tmp_path / "old.json")
     assert prof.floor is None and prof.round_ms(7, 100) == pytest.approx(2.0 + 0.3 + 12.0)
+    assert prof.draft_context_ms is None and prof.context_row_ms(100, 1, block_rows=8) == pytest.approx(2.0 / 11)
+    # and one written by a newer version: what this one does not know is left out
+    (tmp_path / "new.json").write_text(json.dumps({**old, "a_later_field": [1.0]}))
+    assert CostProfile.load(tmp_path / "new.json") == prof
 
 
 def test_calibration_learns_observed_acceptance():
