@@ -74,8 +74,9 @@ class CostProfile:
     draft_context_ms: list[float] | None = None
 
     def verify_at(self, n, prefix: float):
-        """Verify latency of one request's forward of n packed tokens (a float; an array for an array of n)."""
-        rows = np.stack([np.atleast_1d(extend_interp(n, self.packed, row)) for row in self.verify_ms])
+        """Verify latency of one request's forward of n packed tokens (a float; an array for an array of n), on
+        the measured curve made non-decreasing (`monotone`)."""
+        rows = np.stack([np.atleast_1d(extend_interp(n, self.packed, monotone(row))) for row in self.verify_ms])
         out = interp_rows(prefix, self.prefix_lens, rows)
         return float(out[0]) if np.ndim(n) == 0 else out
 
@@ -95,7 +96,7 @@ class CostProfile:
             if b == 1:
                 return self.verify_at(n_total, prefix)
             entry = self.batch[str(b)]
-            return extend_interp(n_total, entry["packed"], entry["verify_ms"])
+            return extend_interp(n_total, entry["packed"], monotone(entry["verify_ms"]))
 
         sizes = [1, *probed]
         lo = max(b for b in sizes if b <= batch)
@@ -296,6 +297,15 @@ class Calibration:
         rate = np.stack([pava(row, self.trials[i] + self.prior) for i, row in enumerate(rate)])
         ratio = np.where((self.trials[d, b] > 0) & (mean_pred[d, b] > 0), rate[d, b] / np.maximum(mean_pred[d, b], 1e-12), 1.0)
         return np.clip(masses * ratio, 0.0, 1.0)
+
+
+def monotone(times) -> np.ndarray:
+    """Measured latencies over increasing shapes as the closest non-decreasing curve (least squares, each
+    measurement weighted alike): more rows never cost less, and one slow measurement (a hiccup of a shared
+    machine during a quick probe) is pooled with its neighbours instead of raising every larger shape's price,
+    as a running maximum would (it made width="auto" take 21-node trees to pay for a step that was not there)."""
+    times = np.asarray(times, dtype=float)
+    return pava(times, np.ones(len(times)))
 
 
 def pava(values: np.ndarray, weights: np.ndarray) -> np.ndarray:

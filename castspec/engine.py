@@ -113,7 +113,9 @@ class Engine:
                 self._profile = CostProfile.load(path)
             elif probe_if_missing:
                 log.warning("castspec: no cost profile for this device/dtype/target/drafter yet; probing once")
-                self._profile = probe(self, packed=QUICK_PACKED, prefix_lens=(256,), reps=3, warmup=1,
+                # medians of 7: a quick probe's shapes are few, so one slow moment of a shared machine in a
+                # median of 3 could price a whole range of widths (it is cheap: ~1 s)
+                self._profile = probe(self, packed=QUICK_PACKED, prefix_lens=(256,), reps=7, warmup=1,
                                       progress=False)
                 self._profile.save(path)
         return self._profile
