@@ -10,7 +10,9 @@ built from the raw marginals and from recalibrated ones: each candidate's log-pr
 log of P(it is the target's token | its depth, its probability), counted in bins on the other half of the
 prompts (two-fold, by prompt), monotone in the probability so trees stay prefix-closed. `--conditional`
 counts a depth only where the target's tokens before it lie in the top 8 of their positions (acceptance given
-that the parent path can be accepted). Prints, per domain, how often the target's path runs through the raw
+that the parent path can be accepted). A third tree, chain-aware, scores each child by the same kind of table
+counted apart for parents on the drafter's top-1 chain and off it (a best-first of its own). Prints, per
+domain, how often the target's path runs through the raw
 N = 15 trees' nodes against their path masses, by depth, and committed tokens per round (1 + accepted).
 """
 from __future__ import annotations
@@ -79,6 +81,61 @@ def recalibrated(lp: torch.Tensor, table: np.ndarray) -> torch.Tensor:
     return torch.where(torch.isfinite(lp), torch.gather(torch.tensor(np.log(table), dtype=lp.dtype), 1, bins), lp)
 
 
+def fit_chain(rounds, L: int) -> np.ndarray:
+    """P(target's token | depth, log-probability bin, whether the parent path is the drafter's top-1 chain)
+    [2, L, bins], counted where the target's tokens before the depth are that parent path (the top-1 chain, or
+    any other path inside the top 8): acceptance that runs together along the block's own best guess."""
+    hits, total, mass = (np.zeros((2, L, len(BINS))) for _ in range(3))
+    for _, _, lp, truth in rounds:
+        vals, cols = lp.topk(TOP_K, dim=-1)
+        chain = True
+        for d in range(L):
+            for v, c in zip(vals[d].tolist(), cols[d].tolist()):
+                if v == float("-inf"):
+                    continue
+                b = min(int(np.searchsorted(BINS, v)), len(BINS) - 1)
+                total[int(chain), d, b] += 1
+                hits[int(chain), d, b] += c == truth[d]
+                mass[int(chain), d, b] += math.exp(v)
+            if truth[d] not in cols[d].tolist():
+                break
+            chain = chain and truth[d] == cols[d, 0].item()
+    mean = np.where(total > 0, mass / np.maximum(total, 1), np.exp(BINS))
+    rate = np.maximum.accumulate((hits + 4.0 * mean) / (total + 4.0), axis=2)
+    return np.clip(rate, 1e-6, 1.0)
+
+
+def chain_aware_tree(lp: torch.Tensor, table: np.ndarray, width: int):
+    """Best-first over the top-8 universe with node scores summed from fit_chain's table: a child's factor
+    depends on whether its parent lies on the top-1 chain. Prefix-closed (factors are at most 1)."""
+    import heapq
+    from castspec.tree import Tree
+    vals, cols = lp.topk(TOP_K, dim=-1)
+    vals, cols = vals.tolist(), cols.tolist()
+    L = len(vals)
+
+    def score(d, r, on_chain):
+        v = vals[d][r]
+        if v == float("-inf"):
+            return float("-inf")
+        return math.log(table[int(on_chain), d, min(int(np.searchsorted(BINS, v)), len(BINS) - 1)])
+
+    tokens, parents, depths, scores = [], [], [], []
+    heap = [(-score(0, r, True), 0, r, -1, True) for r in range(len(vals[0]))]
+    heapq.heapify(heap)
+    while heap and len(tokens) < width:
+        neg, d, r, parent, parent_chain = heapq.heappop(heap)
+        if neg == float("inf"):
+            break
+        node = len(tokens)
+        tokens.append(cols[d][r]); parents.append(parent); depths.append(d + 1); scores.append(-neg)
+        on_chain = parent_chain and r == 0
+        if d + 1 < L:
+            for r2 in range(len(vals[d + 1])):
+                heapq.heappush(heap, (neg - score(d + 1, r2, on_chain), d + 1, r2, node, on_chain))
+    return Tree(tokens, parents, depths, scores)
+
+
 def accepted(tree, truth: list[int]) -> int:
     """Depth of the tree's deepest node on the target's path."""
     on_path, best = {-1: True}, 0
@@ -99,13 +156,16 @@ def main(argv=None) -> None:
     sums: dict[tuple, list[int]] = {}
     for fold in (0, 1):
         table = fit([r for r in rounds if r[1] % 2 != fold], L, args.conditional)
+        chain_table = fit_chain([r for r in rounds if r[1] % 2 != fold], L)
         for domain, index, lp, truth in rounds:
             if index % 2 != fold:
                 continue
             for N in (7, 15, 63):
-                for name, scores in (("raw", lp), ("recalibrated", recalibrated(lp, table))):
+                trees = (("raw", build_tree(lp, N, TOP_K)), ("recalibrated", build_tree(recalibrated(lp, table), N, TOP_K)),
+                         ("chain-aware", chain_aware_tree(lp, chain_table, N)))
+                for name, tree in trees:
                     s = sums.setdefault((N, name, domain), [0, 0])
-                    s[0] += accepted(build_tree(scores, N, TOP_K), truth)
+                    s[0] += accepted(tree, truth)
                     s[1] += 1
     # raw N = 15 trees: a node's path mass (the product of its positions' probabilities) against how often
     # the target's path runs through it, per domain and depth
@@ -124,7 +184,7 @@ def main(argv=None) -> None:
     print(f"{len(rounds)} rounds of full blocks")
     for N in (7, 15, 63):
         print(f"N = {N}:", {name: {d: round(1 + sums[N, name, d][0] / sums[N, name, d][1], 3) for d in DOMAINS}
-                             for name in ("raw", "recalibrated")})
+                             for name in ("raw", "recalibrated", "chain-aware")})
 
 
 if __name__ == "__main__":
