@@ -223,7 +223,8 @@ class CostAware(Policy):
             return True
         tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * batch) if self.request_tokens is None else \
             (self.request_tokens, self.request_nodes * batch)
-        context = max(context_rows - DRAFT_CONTEXT_ROWS * batch, 0) * prof.context_row_ms(prefix, batch, self.block_rows)
+        extra_rows = max(context_rows - DRAFT_CONTEXT_ROWS * batch, 0)  # beyond what the probed pass fuses
+        context = extra_rows * prof.context_row_ms(prefix, batch, self.block_rows)
         drafted_ms = (draft + context + prof.batch_verify_at(batch, batch + nodes, prefix)
                       + prof.batch_host_at(batch, nodes))
         return batch * tokens / max(drafted_ms, 1e-6) >= self._batch_plain_rate(batch)

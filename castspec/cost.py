@@ -9,6 +9,7 @@ tokens per round is g(N) + 1 = 1 + sum_{i <= N} rho_i, and throughput is (g(N) +
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
@@ -304,8 +305,14 @@ def monotone(times) -> np.ndarray:
     measurement weighted alike): more rows never cost less, and one slow measurement (a hiccup of a shared
     machine during a quick probe) is pooled with its neighbours instead of raising every larger shape's price,
     as a running maximum would (it made width="auto" take 21-node trees to pay for a step that was not there)."""
-    times = np.asarray(times, dtype=float)
-    return pava(times, np.ones(len(times)))
+    return np.array(_monotone(tuple(float(t) for t in times)))
+
+
+@functools.lru_cache(maxsize=256)
+def _monotone(times: tuple[float, ...]) -> tuple[float, ...]:
+    """monotone's fit, kept per curve: the cost policy prices rounds from the same few measured curves every
+    round under load, and a profile's curves are plain values (a changed curve is another key)."""
+    return tuple(pava(np.array(times), np.ones(len(times))))
 
 
 def pava(values: np.ndarray, weights: np.ndarray) -> np.ndarray:

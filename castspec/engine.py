@@ -114,7 +114,7 @@ class Engine:
             elif probe_if_missing:
                 log.warning("castspec: no cost profile for this device/dtype/target/drafter yet; probing once")
                 # medians of 7: a quick probe's shapes are few, so one slow moment of a shared machine in a
-                # median of 3 could price a whole range of widths (it is cheap: ~1 s)
+                # median of 3 could price a whole range of widths (more repeats of a few small forwards)
                 self._profile = probe(self, packed=QUICK_PACKED, prefix_lens=(256,), reps=7, warmup=1,
                                       progress=False)
                 self._profile.save(path)

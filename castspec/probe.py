@@ -226,9 +226,11 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
             draft, context = _draft_timings(target, drafter, seqs, L, prefix, reps, warmup) if drafter else (0.0, 0.0)
             bar.update(1)
             verify_floor = [verify_cost(target, n, prefix, B).floor_ms(floors) for n in per_request]
-            draft_floor = draft_cost(drafter, target, prefix, B, DRAFT_CONTEXT_ROWS).floor_ms(floors) if drafter else None
+            draft_floor = (draft_cost(drafter, target, prefix, B, DRAFT_CONTEXT_ROWS).floor_ms(floors) if drafter
+                           else None)
             profile.batch[str(B)] = {
-                "packed": totals, "verify_ms": times, "draft_ms": draft, "draft_context_ms": context, "prefix": prefix,
+                "packed": totals, "verify_ms": times, "draft_ms": draft, "draft_context_ms": context,
+                "prefix": prefix,
                 "read_gbps": floors.read_gbps, "gemm_gflops": floors.gemm_gflops,
                 "verify_floor_ms": verify_floor, "verify_ratio": _ratios(times, verify_floor),
                 "draft_floor_ms": draft_floor, "draft_ratio": _ratios([draft], [draft_floor])[0]}

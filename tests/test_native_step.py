@@ -304,7 +304,8 @@ def test_tree_rows_give_the_bits_of_ar_steps(name, dtype):
     cfg = CONFIGS[name]()
     target = native_target(make_hf(cfg, seed=6), dtype)
     g = torch.Generator().manual_seed(6)
-    P, taps = 21 * LONG.get(name, 1), (0, 2)  # a prefix over more than one group of sixteen keys, the tree's rows across the next
+    # a prefix over more than one group of sixteen keys, the tree's rows across the next
+    P, taps = 21 * LONG.get(name, 1), (0, 2)
     lp = torch.log_softmax(torch.randn(4, cfg.vocab_size, generator=g) * 3, dim=-1)
     pack = pack_tree(build_tree(lp, 12, 4), 5, P, "cpu")
     ancestors = pack.mask[0, 0, :, P:]  # [rows, rows]: row r sees its ancestors and itself

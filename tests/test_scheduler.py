@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from castspec.allocate import PLAIN_FIRST, Chain, CostAware, FixedWidth, PolicySpec, SharedBudget, UniformSplit, make_policy
+from castspec.allocate import (PLAIN_FIRST, Chain, CostAware, FixedWidth, PolicySpec, SharedBudget, UniformSplit,
+                               make_policy)
 from castspec.round import run_round, warm_up
 from castspec.config import DecodeConfig
 from castspec.cost import CostProfile, RoundWidth

@@ -47,9 +47,8 @@ def cmd_probe(args) -> int:
         plot_profile(profile, args.plot)
     print(floor_table(profile), file=sys.stderr)  # for the eye; stdout stays one JSON document
     print(json.dumps({"profile": None if stored is None else str(stored), "packed": profile.packed,
-                      "verify_ms": profile.verify_ms, "draft_ms": profile.draft_ms, "prefill_ms": profile.prefill_ms, "host_ms": profile.host_ms,
-                      "batch": profile.batch,
-                      "floor": profile.floor}, indent=2))
+                      "verify_ms": profile.verify_ms, "draft_ms": profile.draft_ms, "prefill_ms": profile.prefill_ms,
+                      "host_ms": profile.host_ms, "batch": profile.batch, "floor": profile.floor}, indent=2))
     return 0
 
 
