@@ -147,7 +147,7 @@ def draft(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence],
     marginals: list[Marginals | None] = [None] * len(seqs)
     drafting = [i for i, s in enumerate(seqs) if s.decoding and s.wants_draft()] if policy is not None else []
     if not drafting or not policy.should_draft(len(drafting), sum(seqs[i].draft.pending_rows for i in drafting),
-                                               prefilling=any(s.root is None and not s.done for s in seqs)):
+                                               prefilling=any(s.reading_prompt for s in seqs)):
         return marginals
     L = drafter.cfg.num_draft_positions
     chosen = [seqs[i] for i in drafting]
@@ -180,7 +180,7 @@ def lay_out(device: torch.device, seqs: list[Sequence], trees: list[Tree], prefi
     for i, (s, tree) in enumerate(zip(seqs, trees)):
         if s.done:
             continue
-        if s.root is None:  # still reading the prompt
+        if s.reading_prompt:
             if budget <= 0:
                 continue
             chunk_ids, chunk_pos, seg = s.prefill_segment(budget)

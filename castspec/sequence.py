@@ -150,6 +150,11 @@ class Sequence:
         return self.root is not None and not self.done
 
     @property
+    def reading_prompt(self) -> bool:
+        """Still prefilling: its next rows are a prompt chunk (the root comes with the prompt's last one)."""
+        return self.root is None and not self.done
+
+    @property
     def remaining(self) -> int:
         return self.cfg.max_new_tokens - self.emitted
 
