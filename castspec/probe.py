@@ -29,17 +29,27 @@ QUICK_PACKED = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_PROBE_ROWS = 64  # context rows of the wider drafter pass that prices a pending context row
 
 
-def _median_ms(fn, reps: int, warmup: int, device) -> float:
+def _medians_ms(fns: list[Callable[[], None]], reps: int, warmup: int, device) -> list[float]:
+    """The median time of each call over `reps` rounds that run every call once, in turn. Interleaved, not one
+    shape after another: a shape timed back to back ran faster than it runs in decoding, where the call before it
+    is another, which understated what more rows cost (docs/performance.md); and the machine's slow phases land
+    on every shape alike instead of on whichever ran then."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     for _ in range(reps):
-        synchronize(device)
-        t = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+        for fn, out in zip(fns, times):
+            synchronize(device)
+            t = time.perf_counter()
+            fn()
+            synchronize(device)
+            out.append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def _median_ms(fn, reps: int, warmup: int, device) -> float:
+    return _medians_ms([fn], reps, warmup, device)[0]
 
 
 def engine_key(engine) -> dict:
@@ -115,8 +125,7 @@ def _draft_timings(target, drafter, seqs: list[Sequence], depth: int, prefix: in
     """The batched drafter pass of `seqs` as rounds run it, and what each further pending context row adds to it
     (from the same pass with up to CONTEXT_PROBE_ROWS context rows per request): (ms, ms per context row)."""
     passes, wide = _draft_calls(target, drafter, seqs, depth), min(CONTEXT_PROBE_ROWS, prefix)
-    ms = _median_ms(passes(), reps, warmup, target.device)
-    wide_ms = _median_ms(passes(wide), reps, warmup, target.device)
+    ms, wide_ms = _medians_ms([passes(), passes(wide)], reps, warmup, target.device)
     return ms, max(wide_ms - ms, 0.0) / max(len(seqs) * (wide - DRAFT_CONTEXT_ROWS), 1)
 
 
@@ -141,12 +150,9 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
 
             prefill_ms.append(_median_ms(prefill, reps, warmup, device))
             seq = prefill()  # the prefix every verify below runs behind
-            row = []
-            for n in packed:
-                row.append(_median_ms(_verify_call(target, [seq], build_tree(logprobs, n - 1, top_k)), reps, warmup,
-                                      device))
-                bar.update(1)
-            verify_ms.append(row)
+            calls = [_verify_call(target, [seq], build_tree(logprobs, n - 1, top_k)) for n in packed]
+            verify_ms.append(_medians_ms(calls, reps, warmup, device))
+            bar.update(len(packed))
             if seq.draft is None:
                 draft_ms.append(0.0)
             else:
@@ -217,12 +223,10 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
             seqs = [Sequence(target, drafter, torch.randint(0, V, (prefix,), generator=g).tolist(), cfg,
                              max(per_request)) for _ in range(B)]
             run_round(target, drafter, seqs, None, prefill_budget=prefix * B)
-            totals, times = [], []
-            for n in per_request:
-                totals.append(B * n)
-                times.append(_median_ms(_verify_call(target, seqs, build_tree(logprobs, n - 1, top_k)), reps, warmup,
-                                        device))
-                bar.update(1)
+            totals = [B * n for n in per_request]
+            times = _medians_ms([_verify_call(target, seqs, build_tree(logprobs, n - 1, top_k)) for n in per_request],
+                                reps, warmup, device)
+            bar.update(len(per_request))
             draft, context = _draft_timings(target, drafter, seqs, L, prefix, reps, warmup) if drafter else (0.0, 0.0)
             bar.update(1)
             verify_floor = [verify_cost(target, n, prefix, B).floor_ms(floors) for n in per_request]

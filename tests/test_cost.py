@@ -16,7 +16,7 @@ from castspec.decode import DecodeStats, decode
 from castspec.engine import Engine
 from castspec.cli.probe import floor_table
 from castspec.floor import Floors, draft_cost, prefill_cost, verify_cost
-from castspec.probe import DRAFT_CONTEXT_ROWS, plot_profile, probe, probe_batch
+from castspec.probe import DRAFT_CONTEXT_ROWS, _medians_ms, plot_profile, probe, probe_batch
 from conftest import llama_config, make_hf, native, random_drafter
 
 PACKED = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -212,6 +212,13 @@ def test_calibration_learns_observed_acceptance():
     out = cal.apply([2, 2], [0.1, 0.3])
     assert 0.15 < out[0] < 0.25 and 0.45 < out[1] < 0.7
     assert cal.apply([3], [0.2])[0] == pytest.approx(0.2)  # unseen bins keep the raw mass
+
+
+def test_the_probe_times_its_shapes_in_turn_not_one_after_another():
+    calls = []
+    medians = _medians_ms([lambda: calls.append("a"), lambda: calls.append("b")], reps=3, warmup=1,
+                          device=torch.device("cpu"))
+    assert calls == ["a", "b"] * 4 and len(medians) == 2 and all(m >= 0 for m in medians)
 
 
 def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monkeypatch):
