@@ -3,6 +3,7 @@ import asyncio
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ from castspec.cli.loadtest import parse_spec
 from castspec.serving.loadtest import run_load, summarize
 from castspec.serving.scheduler import Request, SchedulerConfig
 from castspec.serving.frontend import ServerConfig
-from castspec.serving.server import Mailbox, TextStream, create_app
+from castspec.serving.server import Chunks, Mailbox, TextStream, create_app
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
 
@@ -235,3 +236,18 @@ def test_the_mailbox_wakes_the_loop_once_per_burst_and_keeps_each_queue_in_order
         assert len(wakeups) == 1  # the burst was handed over: nothing to wake for
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_text_chunk_made_from_its_template_is_the_chunk_json_makes(chat):
+    job = SimpleNamespace(chat=chat, cfg=SimpleNamespace(logprobs=None))
+    meta = {"id": "chatcmpl-1", "created": 7, "model": 'a "model"\0'}
+    chunks = Chunks(job, meta, frontend=None, choices=2)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    sent = 0
+    for i, delta in [(0, "hi"), (1, ""), (0, 'q"uo\\te\n\0'), (1, "é€😀"), (0, "\u2028")]:
+        key = ("delta", {"content": delta}) if chat else ("text", delta)
+        choice = {"index": i, key[0]: key[1], "logprobs": None, "finish_reason": None}
+        assert chunks(i, delta, None, []) == "data: " + json.dumps({**meta, "object": obj, "choices": [choice]}) + "\n\n"
+        sent += len(delta) if i == 0 else 0
+    assert chat or chunks.offsets[0] == sent  # completions count the characters sent per choice

@@ -327,24 +327,16 @@ async def cancel_on_disconnect(http: Request, reqs: list[SchedRequest]) -> None:
         await asyncio.sleep(0.1)
 
 
-async def stream_events(choices: list[Choice], job: Prepared, meta: dict, frontend: Frontend, inflight: InFlight):
-    """SSE chunks of every continuation as they come (each chunk names its choice's index)."""
-    chat = job.chat
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    offsets = [0] * len(choices)  # characters sent per choice (completions' text_offset)
+PLACEHOLDER = "\0castspec text\0"  # where a chunk's text goes in its JSON template
 
-    def chunk(i: int, delta: str | None, reason: str | None, lps: list, role: bool = False) -> str:
-        logprobs = None
-        if job.cfg.logprobs is not None and lps:
-            logprobs = frontend.chat_logprobs(lps) if chat else frontend.completion_logprobs(lps, offsets[i])
-        if chat:
-            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
-            choice = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
-            offsets[i] += len(delta or "")
-        return "data: " + json.dumps({**meta, "object": obj, "choices": [choice]}) + "\n\n"
 
+async def merge_events(choices: list[Choice]):
+    """(choice index, *item) for every item of the choices' `events`, as they come: one choice's directly (a
+    stream's every token passes here), several through a queue that a task per choice fills."""
+    if len(choices) == 1:
+        async for item in events(choices[0].handle, choices[0].req, choices[0].text):
+            yield (choices[0].index, *item)
+        return
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(c: Choice) -> None:
@@ -353,12 +345,63 @@ async def stream_events(choices: list[Choice], job: Prepared, meta: dict, fronte
 
     pumps = [asyncio.create_task(pump(c)) for c in choices]
     try:
+        while True:
+            yield await merged.get()
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+class Chunks:
+    """The SSE chunks of one streamed request, each naming its choice's index. Most carry only text, so the
+    rest of their JSON is made once per choice and the text's JSON put in it (the bytes json.dumps gives)."""
+
+    def __init__(self, job: Prepared, meta: dict, frontend: Frontend, choices: int):
+        self.job, self.meta, self.frontend = job, meta, frontend
+        self.obj = "chat.completion.chunk" if job.chat else "text_completion"
+        self.offsets = [0] * choices  # characters sent per choice (completions' text_offset)
+        self._around: dict[int, tuple[str, str]] = {}  # choice index: a text-only chunk's JSON before and after
+
+    def __call__(self, i: int, delta: str | None, reason: str | None, lps: list, role: bool = False) -> str:
+        chat, logprobs = self.job.chat, None
+        if self.job.cfg.logprobs is not None and lps:
+            logprobs = (self.frontend.chat_logprobs(lps) if chat else
+                        self.frontend.completion_logprobs(lps, self.offsets[i]))
+        if delta is not None and reason is None and logprobs is None and not role:
+            if not chat:
+                self.offsets[i] += len(delta)
+            before, after = self._around.get(i) or self._template(i)
+            return "data: " + before + json.dumps(delta) + after + "\n\n"
+        if chat:
+            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+            choice = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
+            self.offsets[i] += len(delta or "")
+        return "data: " + json.dumps({**self.meta, "object": self.obj, "choices": [choice]}) + "\n\n"
+
+    def _template(self, i: int) -> tuple[str, str]:
+        text = {"content": PLACEHOLDER} if self.job.chat else PLACEHOLDER
+        choice = {"index": i, "delta" if self.job.chat else "text": text, "logprobs": None, "finish_reason": None}
+        whole = json.dumps({**self.meta, "object": self.obj, "choices": [choice]})
+        before, _, after = whole.rpartition(json.dumps(PLACEHOLDER))  # the placeholder is its last string
+        self._around[i] = before, after
+        return before, after
+
+
+async def stream_events(choices: list[Choice], job: Prepared, meta: dict, frontend: Frontend, inflight: InFlight):
+    """SSE chunks of every continuation as they come (each chunk names its choice's index)."""
+    chat = job.chat
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    chunk = Chunks(job, meta, frontend, len(choices))
+    merged = merge_events(choices)
+    try:
         if chat:
             for c in choices:
                 yield chunk(c.index, None, None, [], role=True)
         finished = 0
         while finished < len(choices):
-            i, delta, reason, lps = await merged.get()
+            i, delta, reason, lps = await anext(merged)
             if reason in ("error", "shutdown"):
                 err = (error_body(503, delta, "unavailable_error") if reason == "shutdown" else
                        error_body(500, f"generation failed: {delta}", "server_error"))
@@ -373,8 +416,7 @@ async def stream_events(choices: list[Choice], job: Prepared, meta: dict, fronte
             yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": usage(job, choices)}) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or we are done): free the requests' slots at the next round
-        for task in pumps:
-            task.cancel()
+        await merged.aclose()
         for c in choices:
             inflight.handles.pop(c.handle, None)
             c.req.cancel()
