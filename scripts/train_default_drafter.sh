@@ -45,6 +45,11 @@ STEPS9=${STEPS9:-1500}
 # leg 10 (v15): a third layer grown from v14 (it starts as v14 exactly), trained on leg 9's datasets
 RUN10=${RUN10:-runs/drafter-smollm2-v15}
 STEPS10=${STEPS10:-1600}
+# leg 12 (v17): v15 continued on leg 9's datasets with half its loss the KL to the target's distributions over the
+# draft vocabulary (--kl-weight 0.5), a short cosine cycle at half leg 10's peak (leg 11, the same without KL, was
+# not shipped)
+RUN12=${RUN12:-runs/drafter-smollm2-v17}
+STEPS12=${STEPS12:-1000}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -102,7 +107,11 @@ $CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN9" --layers 2 --block-size
 $CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN10" --layers 3 --block-size 8 --seqs-per-step 4 --anchors 128 \
     --lr 3e-4 --gamma 3 --norm-init ones --init-from "$RUN9/drafter" --draft-vocab "$RUN9/drafter" --steps "$STEPS10" \
     --checkpoint-every 25 --export-every 400 --eval-per-domain 4
-# 11. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 11. leg 12: v15 continued with the KL to the target's distributions as half the loss
+$CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN12" --layers 3 --block-size 8 --seqs-per-step 4 --anchors 128 \
+    --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN10/drafter" --draft-vocab "$RUN10/drafter" \
+    --steps "$STEPS12" --checkpoint-every 25 --export-every 500 --eval-per-domain 4
+# 12. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN10/drafter/config.json" "$RUN10/drafter/model.safetensors" "$RUN10/drafter/draft_vocab.safetensors" \
+cp "$RUN12/drafter/config.json" "$RUN12/drafter/model.safetensors" "$RUN12/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
