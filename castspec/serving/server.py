@@ -360,30 +360,31 @@ class Chunks:
         self.job, self.meta, self.frontend = job, meta, frontend
         self.obj = "chat.completion.chunk" if job.chat else "text_completion"
         self.offsets = [0] * choices  # characters sent per choice (completions' text_offset)
-        self._around: dict[int, tuple[str, str]] = {}  # choice index: a text-only chunk's JSON before and after
+        self._around: dict[int, tuple[str, str]] = {}  # choice index: a text-only chunk before and after its text
 
     def __call__(self, i: int, delta: str | None, reason: str | None, lps: list, role: bool = False) -> str:
         chat, logprobs = self.job.chat, None
         if self.job.cfg.logprobs is not None and lps:
             logprobs = (self.frontend.chat_logprobs(lps) if chat else
                         self.frontend.completion_logprobs(lps, self.offsets[i]))
-        if delta is not None and reason is None and logprobs is None and not role:
-            if not chat:
-                self.offsets[i] += len(delta)
-            before, after = self._around.get(i) or self._template(i)
-            return "data: " + before + json.dumps(delta) + after + "\n\n"
-        if chat:
-            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
-            choice = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
+        if not chat:
             self.offsets[i] += len(delta or "")
+        if delta is not None and reason is None and logprobs is None and not role:
+            before, after = self._around.get(i) or self._template(i)
+            return before + json.dumps(delta) + after
+        if chat:
+            text = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+        else:
+            text = delta or ""
+        return self._sse(i, text, logprobs, reason)
+
+    def _sse(self, i: int, text, logprobs, reason: str | None) -> str:
+        """One SSE chunk: choice i's delta (chat) or text (completions), its log-probabilities and finish reason."""
+        choice = {"index": i, "delta" if self.job.chat else "text": text, "logprobs": logprobs, "finish_reason": reason}
         return "data: " + json.dumps({**self.meta, "object": self.obj, "choices": [choice]}) + "\n\n"
 
     def _template(self, i: int) -> tuple[str, str]:
-        text = {"content": PLACEHOLDER} if self.job.chat else PLACEHOLDER
-        choice = {"index": i, "delta" if self.job.chat else "text": text, "logprobs": None, "finish_reason": None}
-        whole = json.dumps({**self.meta, "object": self.obj, "choices": [choice]})
+        whole = self._sse(i, {"content": PLACEHOLDER} if self.job.chat else PLACEHOLDER, None, None)
         before, _, after = whole.rpartition(json.dumps(PLACEHOLDER))  # the placeholder is its last string
         self._around[i] = before, after
         return before, after
@@ -392,7 +393,6 @@ class Chunks:
 async def stream_events(choices: list[Choice], job: Prepared, meta: dict, frontend: Frontend, inflight: InFlight):
     """SSE chunks of every continuation as they come (each chunk names its choice's index)."""
     chat = job.chat
-    obj = "chat.completion.chunk" if chat else "text_completion"
     chunk = Chunks(job, meta, frontend, len(choices))
     merged = merge_events(choices)
     try:
@@ -413,7 +413,8 @@ async def stream_events(choices: list[Choice], job: Prepared, meta: dict, fronte
             elif delta or lps:
                 yield chunk(i, delta, None, lps)
         if job.include_usage:
-            yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": usage(job, choices)}) + "\n\n"
+            body = {**meta, "object": chunk.obj, "choices": [], "usage": usage(job, choices)}
+            yield "data: " + json.dumps(body) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or we are done): free the requests' slots at the next round
         await merged.aclose()
