@@ -339,6 +339,11 @@ def least_slopes(table: np.ndarray) -> np.ndarray:
     return np.where(ahead > 0, slopes, np.inf).min(axis=1)
 
 
+def mean_prefix(prefixes: list[int]) -> int:
+    """The batch's mean prefix length, rounded down (0 for none): which cost table a round reads."""
+    return sum(prefixes) // len(prefixes) if prefixes else 0
+
+
 class RoundWidth:
     """The per-round (Lagrangian) rule: the width N maximizing sum_{i<=N} rho_i - lambda * l(N), i.e. keep node
     i while rho_i >= lambda * (l(i) - l(i-1)) where costs are convex.
@@ -383,7 +388,7 @@ class RoundWidth:
         lam = self._lambda(min_throughput)
         if lam is None or self.calibration is not None:
             return None
-        slopes = self._costs(int(np.mean(prefixes)) if prefixes else 0, len(prefixes))[1]
+        slopes = self._costs(mean_prefix(prefixes), len(prefixes))[1]
         return lambda taken, score: taken >= len(slopes) - 1 or math.exp(score) <= lam * slopes[taken]
 
     def choose(self, scores: list[float], depths: list[int], prefix: int) -> int:
@@ -403,7 +408,7 @@ class RoundWidth:
             if self.calibration is not None and len(m):
                 m = self.calibration.apply(dp[:len(m)], m)
             masses.append(m)
-        table = self._table(int(np.mean(prefixes)) if prefixes else 0, B)
+        table = self._table(mean_prefix(prefixes), B)
         lam = self._lambda(min_throughput)
         if lam is None:
             merged = np.sort(np.concatenate(masses))[::-1] if masses else np.zeros(0)

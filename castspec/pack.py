@@ -16,9 +16,20 @@ from .tree import Tree
 
 @dataclass
 class Pack:
-    ids: torch.Tensor  # [1, N+1]
-    positions: torch.Tensor  # [1, N+1]
+    id_list: list[int]  # N+1 token ids: the root, then the tree's nodes
+    position_list: list[int]  # their positions
     mask: torch.Tensor | None  # bool [1, 1, N+1, P+N+1]; None for a lone root (it sees everything)
+    device: torch.device | str = "cpu"
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """[1, N+1] (a round lays out the lists of all its packs as one tensor instead)."""
+        return torch.tensor([self.id_list], dtype=torch.long, device=self.device)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[1, N+1]"""
+        return torch.tensor([self.position_list], dtype=torch.long, device=self.device)
 
 
 def ancestor_matrix(parents: list[int]) -> np.ndarray:
@@ -35,11 +46,9 @@ def ancestor_matrix(parents: list[int]) -> np.ndarray:
 
 def pack_tree(tree: Tree, root: int, prefix_len: int, device) -> Pack:
     n = len(tree) + 1
-    ids = torch.tensor([[root, *tree.tokens]], dtype=torch.long)
-    positions = torch.tensor([[0, *tree.depths]], dtype=torch.long) + prefix_len
     mask = None
     if n > 1:
         full = np.ones((n, prefix_len + n), dtype=bool)
         full[:, prefix_len:] = ancestor_matrix(tree.parents)
         mask = torch.from_numpy(full).to(device).view(1, 1, n, prefix_len + n)
-    return Pack(ids.to(device), positions.to(device), mask)
+    return Pack([root, *tree.tokens], [prefix_len, *(prefix_len + d for d in tree.depths)], mask, device)

@@ -188,7 +188,7 @@ def lay_out(device: torch.device, seqs: list[Sequence], trees: list[Tree], prefi
             part = Part(i, row, seg.length, None, last_chunk=s.prefilled + seg.length == len(s.prompt))
         else:
             pack, seg = s.verify_segment(tree)
-            chunk_ids, chunk_pos = pack.ids[0].tolist(), pack.positions[0].tolist()
+            chunk_ids, chunk_pos = pack.id_list, pack.position_list
             part = Part(i, row, seg.length, tree)
         logit_rows.extend(range(row + part.length - part.logit_rows, row + part.length))
         ids.extend(chunk_ids)

@@ -229,11 +229,13 @@ class Sequence:
                                      self.cfg.verifier == "direct", self.history)
         P = self.prefix_len
         keep = [0, *path]
-        if keep[-1] != len(keep) - 1:  # accepted rows are not already contiguous after the root: gather
-            self.cache.compact(torch.tensor(keep, device=self.target.device) + P, P)
+        kept = None  # the accepted rows where they are not the first ones after the root (then gathered)
+        if keep[-1] != len(keep) - 1:
+            kept = torch.tensor(keep, device=self.target.device)
+            self.cache.compact(kept + P, P)
         self.cache.length = P + len(keep)
         if self.draft is not None:
-            self.draft.add_context(feats[:, keep] if len(keep) < feats.shape[1] else feats)
+            self.draft.add_context(feats[:, :len(keep)] if kept is None else feats.index_select(1, kept))
         self.root = nxt
         return self._emit([tree.tokens[r - 1] for r in path] + [nxt], logits, [0, *path]), path
 

@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from .native import build as native
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -88,9 +90,13 @@ def _topk_lists(logprobs: torch.Tensor, k: int,
     k = min(k, n)
     lp = logprobs.float()
     # one more than k: a value tied across the k-th place shows up as two equal neighbours
-    vals, cols = lp.topk(min(k + 1, n), dim=-1)  # sorted descending
-    ids = cols if support is None else support.to(cols.device)[cols]
-    vals, ids = vals.tolist(), ids.tolist()  # one host transfer for the whole block
+    lists = native.topk_rows(lp, min(k + 1, n), support)
+    if lists is not None:
+        vals, ids = lists
+    else:
+        vals, cols = lp.topk(min(k + 1, n), dim=-1)  # sorted descending
+        ids = cols if support is None else support.to(cols.device)[cols]
+        vals, ids = vals.tolist(), ids.tolist()  # one host transfer for the whole block
     for r, v in enumerate(vals):
         if len(set(v)) < len(v):  # topk leaves the order of equal values unspecified: settle it by token id
             vals[r], ids[r] = _ties_by_token_id(lp[r], support, v, ids[r], k)

@@ -53,6 +53,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "forward_rows": ([_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P], _I),
     "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P], _I),
     "argmax_rows": ([_P, _I, _I, _P], None),
+    "topk_rows": ([_P, _I, _I, _I, _P, _P, _P], _I),
 }
 
 

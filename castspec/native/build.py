@@ -254,6 +254,29 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     return out.tolist()
 
 
+def topk_rows(x: torch.Tensor, k: int,
+              support: torch.Tensor | None = None) -> tuple[list[list[float]], list[list[int]]] | None:
+    """The k largest values of each row of fp32 x [R, V] on the CPU, descending, and their columns (mapped
+    through `support`, int64 [V], where given), as lists; equal values in column order. None where it does not
+    apply (another dtype or device, a strided view, k outside 1..V, a NaN in some row) or without the library:
+    then torch.topk. One vector pass a row, where torch's top-k of a drafted block costs far more than reading it."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+            or not 0 < k <= x.shape[1]):
+        return None
+    if support is not None and (support.device.type != "cpu" or support.dtype != torch.int64
+                                or not support.is_contiguous() or tuple(support.shape) != (x.shape[1],)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    vals = torch.empty(x.shape[0], k, dtype=torch.float32)
+    cols = torch.empty(x.shape[0], k, dtype=torch.int64)
+    if lib.topk_rows(x.data_ptr(), x.shape[0], x.shape[1], k, None if support is None else support.data_ptr(),
+                     vals.data_ptr(), cols.data_ptr()):
+        return None
+    return vals.tolist(), cols.tolist()
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """x [..., I] @ weight[O, I]^T for at most MAX_ROWS[dtype] rows on CPU, or None when the kernels do not
     apply; in x's dtype, or fp32 sums for bf16 inputs with out_dtype=torch.float32."""

@@ -166,3 +166,48 @@ void argmax_rows(const float *logits, int R, int V, int64_t *out) {
     _Pragma("omp parallel for schedule(static) if (R > 1)")
     for (int r = 0; r < R; ++r) out[r] = first_argmax(logits + (int64_t)r * V, V);
 }
+
+/* Puts value x of column c into the list vals/cols (n entries, descending; equal values in column order, the
+ * earlier column first), keeping at most k entries. */
+static void top_insert(float *vals, int64_t *cols, int *n, int k, float x, int64_t c) {
+    int at = *n < k ? *n : k - 1;
+    while (at > 0 && vals[at - 1] < x) {
+        vals[at] = vals[at - 1], cols[at] = cols[at - 1];
+        --at;
+    }
+    vals[at] = x, cols[at] = c;
+    if (*n < k) ++*n;
+}
+
+/* The k largest values of one row v[0, V) (k <= V), descending, and their columns (or support[column] where a
+ * support is given); among equal values the earlier column comes first. One vector pass: a chunk of 16 is read
+ * element by element only while the list is not full or where a lane beats its last value. Returns 1 if the
+ * row holds a NaN (the caller then uses another top-k), else 0. */
+static int top_k_row(const float *v, int V, int k, const int64_t *support, float *vals, int64_t *cols) {
+    int n = 0, i = 0;
+    for (; i + 16 <= V; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        if (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)) return 1;
+        __mmask16 in = n < k ? 0xFFFF : _mm512_cmp_ps_mask(x, _mm512_set1_ps(vals[k - 1]), _CMP_GT_OQ);
+        for (int l = 0; in; ++l, in >>= 1)
+            if ((in & 1) && (n < k || v[i + l] > vals[k - 1])) top_insert(vals, cols, &n, k, v[i + l], i + l);
+    }
+    for (; i < V; ++i) {
+        if (v[i] != v[i]) return 1;
+        if (n < k || v[i] > vals[k - 1]) top_insert(vals, cols, &n, k, v[i], i);
+    }
+    if (support)
+        for (int j = 0; j < k; ++j) cols[j] = support[cols[j]];
+    return 0;
+}
+
+/* top_k_row for each of R rows of x [R, V] (fp32, contiguous) into vals [R, k] and cols [R, k]: the tree
+ * builder's candidates from a drafted block's log-probabilities (one row per drafted position), rows over the
+ * threads when there are many (a batch's blocks). Returns 1 if some row holds a NaN, else 0. */
+int topk_rows(const float *x, int R, int V, int k, const int64_t *support, float *vals, int64_t *cols) {
+    int nan = 0;
+    _Pragma("omp parallel for schedule(static) reduction(|:nan) if (R >= 32)")
+    for (int r = 0; r < R; ++r)
+        nan |= top_k_row(x + (int64_t)r * V, V, k, support, vals + (int64_t)r * k, cols + (int64_t)r * k);
+    return nan;
+}
