@@ -58,6 +58,10 @@ def test_harness_end_to_end(bench_dirs, capsys):
         for m in methods:
             assert rows[m]["ms_per_token"] > 0 and rows[m]["tokens"] > 0
         assert "gain_vs_chain_ci95" in rows["cast@7"] and "speedup_vs_hf" in rows["cast@7"]
+        # where castspec's rounds spent their time: a drafter pass only where the method drafts, none for hf
+        phases = rows["cast@7"]["ms_per_round"]
+        assert set(phases) == {"draft", "verify", "host"} and all(v > 0 for v in phases.values())
+        assert rows["ar"]["ms_per_round"]["draft"] == 0 and "ms_per_round" not in rows["hf"]
     # identical token counting: greedy fp32 methods emit the same tokens, so their counts agree per prompt
     counts = {}
     for row in report["per_prompt"]:

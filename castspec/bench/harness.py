@@ -151,6 +151,9 @@ class Run:
     e2e_ms: float
     rounds: int
     committed: int  # tokens committed by rounds (R = committed / rounds)
+    # where the decoding rounds' time went, summed over them: drafter passes, target forwards, host work
+    # (tree, pack, walk, commit); castspec's methods only
+    phases_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -173,8 +176,10 @@ def run_ours(engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperature
                         calibrate=spec.calibrate, chat_template_kwargs=NO_THINKING)
     e2e = (time.perf_counter() - t0) * 1e3
     s = r.stats
+    phases = {"draft": sum(x.draft_ms for x in s.rounds), "verify": sum(x.verify_ms for x in s.rounds),
+              "host": sum(x.host_ms for x in s.rounds)}
     return Run(p, spec.label, seed, r.token_ids, s.decode_ms, e2e, s.num_rounds,
-               sum(x.accepted + 1 for x in s.rounds))
+               sum(x.accepted + 1 for x in s.rounds), phases)
 
 
 def run_hf(hf, engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperature: float, seed) -> Run:
@@ -256,6 +261,9 @@ def summarize(runs: list[Run], cfg: BenchConfig, engine) -> dict:
             rows[m] = {"ms_per_token": float(ms.sum() / max(tok.sum(), 1)), "R": sum(r.committed for r in rs) /
                        max(sum(r.rounds for r in rs), 1), "tokens": int(sum(r.n for r in rs)),
                        "e2e_ms": float(sum(r.e2e_ms for r in rs)), "_ms": ms, "_tok": tok}
+            if rs and all(r.phases_ms for r in rs):
+                rounds = max(sum(r.rounds for r in rs), 1)
+                rows[m]["ms_per_round"] = {k: sum(r.phases_ms[k] for r in rs) / rounds for k in rs[0].phases_ms}
         for m in labels:
             row = rows[m]
             if "ar" in rows:
@@ -289,8 +297,9 @@ def summarize(runs: list[Run], cfg: BenchConfig, engine) -> dict:
 
 def markdown(report: dict) -> str:
     lines = [f"dtype: {report['dtype']}, temperature {report['temperature']}", "",
-             "| domain | method | ms/token | speedup vs ar | R | gain vs chain (95% CI) | vs transformers |",
-             "|---|---|---|---|---|---|---|"]
+             "| domain | method | ms/token | speedup vs ar | R | gain vs chain (95% CI) | vs transformers "
+             "| ms a round: draft / verify / host |",
+             "|---|---|---|---|---|---|---|---|"]
     for d, rows in report["per_domain"].items():
         for m, r in rows.items():
             gain = ""
@@ -298,8 +307,9 @@ def markdown(report: dict) -> str:
                 lo, hi = r["gain_vs_chain_ci95"]
                 gain = f"{100 * r['gain_vs_chain']:+.1f}% ({100 * lo:+.1f}, {100 * hi:+.1f})"
             vs_hf = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else ""
+            phases = " / ".join(f"{v:.2f}" for v in r["ms_per_round"].values()) if "ms_per_round" in r else ""
             lines.append(f"| {d} | {m} | {r['ms_per_token']:.1f} | {r.get('speedup_vs_ar', float('nan')):.2f}x | "
-                         f"{r['R']:.2f} | {gain} | {vs_hf} |")
+                         f"{r['R']:.2f} | {gain} | {vs_hf} | {phases} |")
     lines += ["", "Average of domain ratios:", ""]
     for m, avg in report["average_of_domain_ratios"].items():
         lines.append(f"- {m}: " + ", ".join(f"{k} {v:.3f}" for k, v in avg.items()))
