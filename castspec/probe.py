@@ -29,17 +29,22 @@ QUICK_PACKED = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_PROBE_ROWS = 64  # context rows of the wider drafter pass that prices a pending context row
 
 
-def _medians_ms(fns: list[Callable[[], None]], reps: int, warmup: int, device) -> list[float]:
+def _medians_ms(fns: list[Callable[[], None]], reps: int, warmup: int, device,
+                between: Callable[[], None] | None = None) -> list[float]:
     """The median time of each call over `reps` rounds that run every call once, in turn. Interleaved, not one
     shape after another: a shape timed back to back ran faster than it runs in decoding, where the call before it
     is another, which understated what more rows cost (docs/performance.md); and the machine's slow phases land
-    on every shape alike instead of on whichever ran then."""
+    on every shape alike instead of on whichever ran then. `between`, untimed, runs before every timed call:
+    what precedes it in decoding (a verify forward, which streams the target's weights through the caches,
+    before a drafter pass or a round's host work)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     times = [[] for _ in fns]
     for _ in range(reps):
         for fn, out in zip(fns, times):
+            if between is not None:
+                between()
             synchronize(device)
             t = time.perf_counter()
             fn()
@@ -48,8 +53,8 @@ def _medians_ms(fns: list[Callable[[], None]], reps: int, warmup: int, device) -
     return [statistics.median(t) for t in times]
 
 
-def _median_ms(fn, reps: int, warmup: int, device) -> float:
-    return _medians_ms([fn], reps, warmup, device)[0]
+def _median_ms(fn, reps: int, warmup: int, device, between: Callable[[], None] | None = None) -> float:
+    return _medians_ms([fn], reps, warmup, device, between)[0]
 
 
 def engine_key(engine) -> dict:
@@ -121,11 +126,13 @@ def _draft_calls(target, drafter, seqs: list[Sequence], depth: int) -> Callable[
 
 
 def _draft_timings(target, drafter, seqs: list[Sequence], depth: int, prefix: int, reps: int,
-                   warmup: int) -> tuple[float, float]:
-    """The batched drafter pass of `seqs` as rounds run it, and what each further pending context row adds to it
-    (from the same pass with up to CONTEXT_PROBE_ROWS context rows per request): (ms, ms per context row)."""
+                   warmup: int, between: Callable[[], None]) -> tuple[float, float]:
+    """The batched drafter pass of `seqs` as rounds run it, after `between` (the verify that precedes it in
+    decoding: its weights then come from memory, not from cache), and what each further pending context row
+    adds to it (from the same pass with up to CONTEXT_PROBE_ROWS context rows per request): (ms, ms per
+    context row)."""
     passes, wide = _draft_calls(target, drafter, seqs, depth), min(CONTEXT_PROBE_ROWS, prefix)
-    ms, wide_ms = _medians_ms([passes(), passes(wide)], reps, warmup, target.device)
+    ms, wide_ms = _medians_ms([passes(), passes(wide)], reps, warmup, target.device, between)
     return ms, max(wide_ms - ms, 0.0) / max(len(seqs) * (wide - DRAFT_CONTEXT_ROWS), 1)
 
 
@@ -153,10 +160,11 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             calls = [_verify_call(target, [seq], build_tree(logprobs, n - 1, top_k)) for n in packed]
             verify_ms.append(_medians_ms(calls, reps, warmup, device))
             bar.update(len(packed))
+            step = calls[0]  # the smallest verify: what runs between a round's host work and its next pass
             if seq.draft is None:
                 draft_ms.append(0.0)
             else:
-                ms, per_row = _draft_timings(target, drafter, [seq], L, P, reps, warmup)
+                ms, per_row = _draft_timings(target, drafter, [seq], L, P, reps, warmup, step)
                 draft_ms.append(ms)
                 context_ms.append(per_row)
             bar.update(1)
@@ -177,7 +185,7 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
                 greedy_walk(tree, [0] * (width + 1))
                 cache_seq.cache.compact(torch.arange(8, 8 + min(width, L) + 1, device=device), 8)
 
-            host[str(width)] = _median_ms(host_work, reps, warmup, device)
+            host[str(width)] = _median_ms(host_work, reps, warmup, device, step)
         floors = floors.best(Floors.measure(device, target.dtype))  # read again after the timings: the better
     bar.close()
     profile = CostProfile(engine_key(engine), list(packed), list(prefix_lens), verify_ms, draft_ms, host,
@@ -224,10 +232,11 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
                              max(per_request)) for _ in range(B)]
             run_round(target, drafter, seqs, None, prefill_budget=prefix * B)
             totals = [B * n for n in per_request]
-            times = _medians_ms([_verify_call(target, seqs, build_tree(logprobs, n - 1, top_k)) for n in per_request],
-                                reps, warmup, device)
+            calls = [_verify_call(target, seqs, build_tree(logprobs, n - 1, top_k)) for n in per_request]
+            times = _medians_ms(calls, reps, warmup, device)
             bar.update(len(per_request))
-            draft, context = _draft_timings(target, drafter, seqs, L, prefix, reps, warmup) if drafter else (0.0, 0.0)
+            draft, context = (_draft_timings(target, drafter, seqs, L, prefix, reps, warmup, calls[0]) if drafter
+                              else (0.0, 0.0))
             bar.update(1)
             verify_floor = [verify_cost(target, n, prefix, B).floor_ms(floors) for n in per_request]
             draft_floor = (draft_cost(drafter, target, prefix, B, DRAFT_CONTEXT_ROWS).floor_ms(floors) if drafter

@@ -219,6 +219,11 @@ def test_the_probe_times_its_shapes_in_turn_not_one_after_another():
     medians = _medians_ms([lambda: calls.append("a"), lambda: calls.append("b")], reps=3, warmup=1,
                           device=torch.device("cpu"))
     assert calls == ["a", "b"] * 4 and len(medians) == 2 and all(m >= 0 for m in medians)
+    # what precedes a call in decoding (a verify before a drafter pass) runs before every timed call, untimed
+    calls.clear()
+    _medians_ms([lambda: calls.append("a"), lambda: calls.append("b")], reps=2, warmup=1,
+                device=torch.device("cpu"), between=lambda: calls.append("v"))
+    assert calls == ["a", "b"] + ["v", "a", "v", "b"] * 2
 
 
 def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monkeypatch):
