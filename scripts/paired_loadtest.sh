@@ -8,12 +8,7 @@ set -euo pipefail
 BASE=$1; OUT=$(realpath -m "$2"); shift 2  # absolute: the base runs from its worktree
 ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(--policies ar,cost --concurrency 1,16 --requests 32 --max-tokens 48)
-ROUNDS=${ROUNDS:-2}
-ROOT=$(pwd)
-PY=$ROOT/.venv/bin/python
-WT=$(mktemp -d)/base
-git worktree add -q --detach "$WT" "$BASE"
-trap 'git -C "$ROOT" worktree remove --force "$WT"' EXIT
+source "$(dirname "$0")/base_worktree.sh" "$BASE"
 mkdir -p "$OUT"
 for i in $(seq 1 "$ROUNDS"); do
   # python -m puts the working directory first on the path: each run imports its own tree's castspec
