@@ -90,24 +90,29 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
     device = target.device
     L = drafter.cfg.num_draft_positions
     max_pos = drafter.cfg.max_positions - 1
-    feats, ctx_pos, block_pos, segments = [], [], [], []
-    for st in states:
+    masks = [drafter.cfg.mask_token_id] * L
+    feats, segments = [], []
+    block_ids, block_pos, ctx_pos = [], [], []  # lists, made tensors once: a pass runs every round
+    for st, root in zip(states, roots):
         start, ctx_len = st.cache.length, st.pending.shape[1]
         root_pos = start + ctx_len
         feats.append(st.pending)
-        ctx_pos.append(torch.arange(start, root_pos))
+        ctx_pos.extend(range(start, root_pos))
+        block_ids += [root, *masks]
         # near the end of the context the block's trailing rows (never used: depth is capped) would sit past the
         # last position; pin them to it rather than shrink the block, which would change the rows we do use
-        block_pos.append(torch.arange(root_pos, root_pos + L + 1).clamp(max=max_pos))
+        block_pos.extend(min(p, max_pos) for p in range(root_pos, root_pos + L + 1))
         segments.append(DraftSegment(st.cache, start, ctx_len, L + 1))
         st.pending = None
-    block = torch.full((len(states), L + 1), drafter.cfg.mask_token_id, dtype=torch.long)
-    block[:, 0] = torch.tensor(roots)
     hidden = drafter.forward_segments(
-        target.embed(block.view(1, -1).to(device)), torch.cat(block_pos).view(1, -1).to(device),
-        feats[0] if len(feats) == 1 else torch.cat(feats, dim=1), torch.cat(ctx_pos).view(1, -1).to(device), segments)
+        target.embed(torch.tensor([block_ids], device=device)), torch.tensor([block_pos], device=device),
+        feats[0] if len(feats) == 1 else torch.cat(feats, dim=1),
+        torch.tensor([ctx_pos], dtype=torch.long, device=device), segments)
     hidden = hidden.view(len(states), L + 1, -1)
-    rows = torch.cat([hidden[i, 1:d + 1] for i, d in enumerate(depths)])  # one lm_head GEMM for all
+    if all(d == L for d in depths):  # every block drafts all its positions: its rows after the root, as they lie
+        rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
+    else:
+        rows = torch.cat([hidden[i, 1:d + 1] for i, d in enumerate(depths)])  # one lm_head GEMM for all
     return drafter.marginals(rows, target).split(depths)
 
 
