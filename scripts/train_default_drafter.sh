@@ -50,6 +50,12 @@ STEPS10=${STEPS10:-1600}
 # not shipped)
 RUN12=${RUN12:-runs/drafter-smollm2-v17}
 STEPS12=${STEPS12:-1000}
+# leg 14 (v19): v17 continued the same way on two datasets it has not seen: greedy responses to the training
+# prompts drawn with seed 6 and responses sampled at T = 1 to 2,500 prompts drawn with seed 7
+DATA14=${DATA14:-data/smollm2-bf16-greedy-s6}
+DATA14T=${DATA14T:-data/smollm2-bf16-t1-s7}
+RUN14=${RUN14:-runs/drafter-smollm2-v19}
+STEPS14=${STEPS14:-1000}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -63,6 +69,8 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA5F" --batch-size 24 --seed 3 --follow-up "$DATA5"
   $CLI make-data --out "$DATA9" --batch-size 24 --seed 5
   $CLI make-data --out "$DATA9T" --batch-size 24 --seed 4 --temperature 1.0
+  $CLI make-data --out "$DATA14" --batch-size 24 --seed 6
+  $CLI make-data --out "$DATA14T" --batch-size 24 --seed 7 --temperature 1.0 --max-prompts 2500
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -111,7 +119,11 @@ $CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN10" --layers 3 --block-siz
 $CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN12" --layers 3 --block-size 8 --seqs-per-step 4 --anchors 128 \
     --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN10/drafter" --draft-vocab "$RUN10/drafter" \
     --steps "$STEPS12" --checkpoint-every 25 --export-every 500 --eval-per-domain 4
-# 12. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 12. leg 14: v17 continued with the same recipe on the two new datasets alone
+$CLI train-drafter --data "$DATA14,$DATA14T" --out "$RUN14" --layers 3 --block-size 8 --seqs-per-step 4 --anchors 128 \
+    --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN12/drafter" --draft-vocab "$RUN12/drafter" \
+    --steps "$STEPS14" --checkpoint-every 25 --export-every 500 --eval-per-domain 4
+# 13. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN12/drafter/config.json" "$RUN12/drafter/model.safetensors" "$RUN12/drafter/draft_vocab.safetensors" \
+cp "$RUN14/drafter/config.json" "$RUN14/drafter/model.safetensors" "$RUN14/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
