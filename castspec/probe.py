@@ -160,7 +160,7 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             calls = [_verify_call(target, [seq], build_tree(logprobs, n - 1, top_k)) for n in packed]
             verify_ms.append(_medians_ms(calls, reps, warmup, device))
             bar.update(len(packed))
-            step = calls[0]  # the smallest verify: what runs between a round's host work and its next pass
+            step = calls[0]  # a verify (the curve's first shape): what runs before a round's host work and pass
             if seq.draft is None:
                 draft_ms.append(0.0)
             else:

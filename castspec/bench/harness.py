@@ -141,6 +141,9 @@ class TimingStreamer:
         pass
 
 
+PHASES = ("draft", "verify", "host")  # where a round's time goes (Run.phases_ms), in the report's order
+
+
 @dataclass
 class Run:
     prompt: BenchPrompt
@@ -177,8 +180,8 @@ def run_ours(engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperature
     e2e = (time.perf_counter() - t0) * 1e3
     s = r.stats
     # as the decode timer counts them: without the first round's drafter pass, which also reads the prompt
-    phases = {"draft": sum(x.draft_ms for x in s.rounds) - s.first_draft_ms,
-              "verify": sum(x.verify_ms for x in s.rounds), "host": sum(x.host_ms for x in s.rounds)}
+    phases = dict(zip(PHASES, (sum(x.draft_ms for x in s.rounds) - s.first_draft_ms,
+                               sum(x.verify_ms for x in s.rounds), sum(x.host_ms for x in s.rounds))))
     return Run(p, spec.label, seed, r.token_ids, s.decode_ms, e2e, s.num_rounds,
                sum(x.accepted + 1 for x in s.rounds), phases)
 
@@ -264,7 +267,7 @@ def summarize(runs: list[Run], cfg: BenchConfig, engine) -> dict:
                        "e2e_ms": float(sum(r.e2e_ms for r in rs)), "_ms": ms, "_tok": tok}
             if rs and all(r.phases_ms for r in rs):
                 rounds = max(sum(r.rounds for r in rs), 1)
-                rows[m]["ms_per_round"] = {k: sum(r.phases_ms[k] for r in rs) / rounds for k in rs[0].phases_ms}
+                rows[m]["ms_per_round"] = {k: sum(r.phases_ms[k] for r in rs) / rounds for k in PHASES}
         for m in labels:
             row = rows[m]
             if "ar" in rows:
@@ -299,7 +302,7 @@ def summarize(runs: list[Run], cfg: BenchConfig, engine) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"dtype: {report['dtype']}, temperature {report['temperature']}", "",
              "| domain | method | ms/token | speedup vs ar | R | gain vs chain (95% CI) | vs transformers "
-             "| ms a round: draft / verify / host |",
+             f"| ms a round: {' / '.join(PHASES)} |",
              "|---|---|---|---|---|---|---|---|"]
     for d, rows in report["per_domain"].items():
         for m, r in rows.items():
@@ -308,7 +311,7 @@ def markdown(report: dict) -> str:
                 lo, hi = r["gain_vs_chain_ci95"]
                 gain = f"{100 * r['gain_vs_chain']:+.1f}% ({100 * lo:+.1f}, {100 * hi:+.1f})"
             vs_hf = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else ""
-            phases = " / ".join(f"{v:.2f}" for v in r["ms_per_round"].values()) if "ms_per_round" in r else ""
+            phases = " / ".join(f"{r['ms_per_round'][k]:.2f}" for k in PHASES) if "ms_per_round" in r else ""
             lines.append(f"| {d} | {m} | {r['ms_per_token']:.1f} | {r.get('speedup_vs_ar', float('nan')):.2f}x | "
                          f"{r['R']:.2f} | {gain} | {vs_hf} | {phases} |")
     lines += ["", "Average of domain ratios:", ""]
