@@ -31,14 +31,16 @@ from ..serving.scheduler import Request, SchedulerConfig
 from ..serving.server import create_app
 
 
-def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: bool = False) -> dict:
+def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: bool = False,
+        prefix_cache_mb: float = 256.0) -> dict:
     """One closed loop; `spec` is a load test policy (ar, chain, cost, fixed:N, ...) or "<policy>-plain" (never
-    drafts). `http`: through the load test's clients and server instead of stepping the scheduler here."""
+    drafts). `http`: through the load test's clients and server instead of stepping the scheduler here.
+    `prefix_cache_mb`: the scheduler's kept prompt prefixes (0: every prompt read whole)."""
     parsed = PolicySpec.parse(spec.removesuffix("-plain"))
     method = parsed.method
     messages = load_messages(8)  # the load test's, in its order
     sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=parsed.policy,
-                                             width=parsed.width), method)
+                                             width=parsed.width, prefix_cache_mb=prefix_cache_mb), method)
     if spec.endswith("-plain"):
         sched.policy.should_draft = lambda *_, **__: False  # this run's policy object only
     rounds, done = [], []
@@ -97,13 +99,14 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
+    p.add_argument("--prefix-cache-mb", type=float, default=256.0, help="the server's kept prompt prefixes (0: off)")
     args = p.parse_args(argv)
     specs = [s.strip() for s in args.policies.split(",") if s.strip()] + (["cost-plain"] if args.plain_too else [])
     engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)
     results = []
     for rep in range(args.repeats):
         for spec, http in [(s, h) for s in specs for h in ((False, True) if args.http else (False,))]:
-            res = run(engine, spec, args.batch, args.requests, args.max_tokens, http)
+            res = run(engine, spec, args.batch, args.requests, args.max_tokens, http, args.prefix_cache_mb)
             results.append({"repeat": rep, **res})
             print(json.dumps({k: res[k] for k in ("policy", "http", "batch", "tokens_per_s", "in_rounds_ms",
                                                    "outside_rounds_ms")}

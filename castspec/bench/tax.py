@@ -86,7 +86,8 @@ def measure_tax(engine, prompts: list[list[int]], method: str = "ar", max_tokens
     if engine.tokenizer is None:
         raise ValueError("the serving tax is timed on streamed text: the target needs a tokenizer")
 
-    cfg = SchedulerConfig(max_batch=1, policy=policy, width=width)
+    # every prompt is read in full, as engine.generate reads it (repeats would otherwise copy kept prompts)
+    cfg = SchedulerConfig(max_batch=1, policy=policy, width=width, prefix_cache_mb=0)
     decode_cfg = DecodeConfig(method=method, max_new_tokens=max_tokens, temperature=0.0,
                               stop_token_ids=engine.stop_ids())
     local = engine.scheduler(cfg, method)

@@ -16,6 +16,7 @@ from ..serving.loadtest import SoakConfig, load_messages, plot, plot_soak, run_l
 from ..serving.scheduler import SchedulerConfig
 from ..serving.server import create_app
 from .common import UserError, add_model_args, load_engine
+from .serve import add_prefix_cache_arg
 
 
 SPEC_HELP = "ar | chain | fixed:N | uniform:M | shared:M | cost"
@@ -35,6 +36,7 @@ def soak_serve_args(args, spec: str) -> list[str]:
     method, policy, width = parse_spec(spec)
     out = ["--method", method, "--policy", "fixed" if method == "ar" else policy, "--width", str(width),
            "--max-batch", str(args.max_batch), "--prefill-budget", str(args.prefill_budget),
+           "--prefix-cache-mb", str(args.prefix_cache_mb),
            "--device", args.device, "--dtype", args.dtype]
     for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
         if value is not None:
@@ -107,7 +109,7 @@ def cmd_loadtest(args) -> int:
                 raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
             for B in levels:
                 cfg = SchedulerConfig(max_batch=B, max_queue=max(64, 4 * B), policy=policy, width=width,
-                                      prefill_budget=args.prefill_budget)
+                                      prefill_budget=args.prefill_budget, prefix_cache_mb=args.prefix_cache_mb)
                 app = create_app(engine, engine.scheduler(cfg, method), ServerConfig())
                 with LiveServer(app) as url:
                     res = asyncio.run(run_load(url, messages, B, max(args.requests, B), args.max_tokens, args.rate,
@@ -157,6 +159,7 @@ def register(sub) -> None:
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds per level before submission stops")
     p.add_argument("--per-domain", type=int, default=8, help="held-out prompts per domain to cycle through")
     p.add_argument("--prefill-budget", type=int, default=512)
+    add_prefix_cache_arg(p)
     p.add_argument("--url", default=None, help="load an already running server on this machine instead")
     p.add_argument("--out", default="runs/loadtest")
     t = p.add_argument_group("serving tax (--tax)")

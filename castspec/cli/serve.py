@@ -13,7 +13,7 @@ from .common import UserError, add_model_args, load_engine
 def scheduler_config(args):
     try:
         return SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
-                               policy=args.policy, width=args.width, top_k_per_position=args.top_k_per_position)
+                               prefix_cache_mb=args.prefix_cache_mb, policy=args.policy, width=args.width, top_k_per_position=args.top_k_per_position)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -65,6 +65,12 @@ def add_scheduler_args(p) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which new ones get 429")
     p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens prefilled per round")
+    add_prefix_cache_arg(p)
+
+
+def add_prefix_cache_arg(p) -> None:
+    p.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                   help="MiB of prompt prefixes kept for later requests that start the same way (0: off)")
 
 
 def add_limit_args(p) -> None:

@@ -102,7 +102,10 @@ async def run_load(url: str, messages: list[list[dict]], concurrency: int, reque
     batches = {k: after["batch_size_histogram"].get(k, 0) - before["batch_size_histogram"].get(k, 0)
                for k in after["batch_size_histogram"]}
     return {
-        "requests": len(results), "ok": len(ok), "errors": [r["error"] for r in results if r["error"]][:5],
+        "requests": len(results), "ok": len(ok),
+        # prompt tokens the server read, and those it copied from kept prefixes instead (castspec.prefix_cache)
+        "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],
+        "prefix_hit_tokens": after.get("prefix_hit_tokens", 0) - before.get("prefix_hit_tokens", 0), "errors": [r["error"] for r in results if r["error"]][:5],
         "tokens": tokens, "wall_s": wall, "goodput_tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "p50_latency_s": percentile(lat, 50), "p99_latency_s": percentile(lat, 99),
         "p50_ttft_s": percentile(ttft, 50), "p99_ttft_s": percentile(ttft, 99),

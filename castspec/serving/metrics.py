@@ -28,6 +28,8 @@ def prometheus(snap: dict) -> str:
     metric("mean_committed_tokens_per_round", "gauge", "Mean tokens a request commits per verify round (R).",
            [("", snap["mean_committed_per_round"])])
     metric("prefill_tokens_total", "counter", "Prompt tokens prefilled.", [("", snap["prefill_tokens"])])
+    metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens copied from a kept prompt prefix, not read.",
+           [("", snap["prefix_hit_tokens"])])
     metric("active_requests", "gauge", "Requests decoding now.", [("", snap["active"])])
     metric("queued_requests", "gauge", "Requests waiting for a batch slot.", [("", snap["queued"])])
     for name, key, help_ in (("accepted_tokens", "acceptance_histogram", "Accepted drafted tokens per request-round."),

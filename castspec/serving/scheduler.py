@@ -6,6 +6,8 @@ Policy (documented in docs/serving.md):
 - newcomers are admitted at round boundaries and their prompts are prefilled INSIDE the next rounds' forward,
   in chunks of at most `prefill_budget` prompt tokens per round in all, so running requests keep committing
   tokens every round while a long prompt is read (chunked prefill, no stall);
+- a newcomer whose prompt starts like a prompt read before copies that prefix's caches instead of reading it
+  again (castspec.prefix_cache; `prefix_cache_mb` bounds what is kept, 0 turns it off);
 - finished, cancelled and failed requests leave at the next round boundary and free their caches;
 - if a round raises, the batch is rolled back and every request is retried alone, so only the request that
   fails on its own gets the error.
@@ -26,6 +28,7 @@ from ..allocate import PolicySpec, make_policy
 from ..config import DecodeConfig
 from ..cost import CostProfile
 from ..native.threads import release_workers
+from ..prefix_cache import PrefixCache
 from ..round import RoundOutput, run_round, warm_up
 from ..sequence import Sequence, check_request
 
@@ -48,10 +51,11 @@ class SchedulerConfig:
     policy: str = "cost"  # chain | fixed | uniform | shared | cost (see castspec.allocate.PolicySpec)
     width: int | str = 15  # fixed: per request; uniform/shared: the whole batch's budget; "auto": the cost rule
     top_k_per_position: int = 8  # the trees' candidates at each drafted position
+    prefix_cache_mb: float = 256.0  # kept prompt prefixes (castspec.prefix_cache); 0: every prompt read whole
 
     def __post_init__(self):
-        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_budget < 1:
-            raise ValueError("max_batch and prefill_budget must be >= 1, max_queue >= 0")
+        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_budget < 1 or self.prefix_cache_mb < 0:
+            raise ValueError("max_batch and prefill_budget must be >= 1, max_queue and prefix_cache_mb >= 0")
         self.policy_spec("cast")  # the policy, width and top_k_per_position checks
 
     def policy_spec(self, method: str) -> PolicySpec:
@@ -109,6 +113,8 @@ class Metrics:
     acceptance: dict[int, int] = field(default_factory=dict)  # accepted drafted tokens per request-round
     batch_sizes: dict[int, int] = field(default_factory=dict)
     prefill_tokens: int = 0
+    prefix_hits: int = 0  # requests that took a kept prompt prefix
+    prefix_hit_tokens: int = 0  # prompt tokens those requests did not read
     busy_ms: float = 0.0
     started: float = field(default_factory=time.time)
 
@@ -121,7 +127,8 @@ class Metrics:
             # .copy() is atomic under the GIL: the scheduler thread may be adding a key right now
             "acceptance_histogram": dict(sorted(self.acceptance.copy().items())),
             "batch_size_histogram": dict(sorted(self.batch_sizes.copy().items())),
-            "prefill_tokens": self.prefill_tokens, "busy_s": self.busy_ms / 1e3, "uptime_s": up,
+            "prefill_tokens": self.prefill_tokens, "prefix_hits": self.prefix_hits,
+            "prefix_hit_tokens": self.prefix_hit_tokens, "busy_s": self.busy_ms / 1e3, "uptime_s": up,
         }
 
 
@@ -138,6 +145,7 @@ class Scheduler:
         self.policy = make_policy(self.cfg.policy_spec(method), L, profile)
         self.max_nodes = self.policy.max_nodes(L) if self.policy is not None else 0
         self.metrics = Metrics()
+        self.prefix_cache = PrefixCache(int(self.cfg.prefix_cache_mb * 2**20))
         self.on_round: Callable[[RoundOutput], None] | None = None  # sees every round (castspec.bench.load_rounds)
         # run on this thread after each step's callbacks and after close(): a consumer that only collects in its
         # callbacks hands everything on once here (the HTTP server wakes its event loop once per round, not
@@ -228,6 +236,8 @@ class Scheduler:
         m.prefill_tokens += out.prefill_tokens
         now = time.perf_counter()
         for r, o in zip(batch, out.sequences):
+            if not o.verified and o.emitted and r.tokens == 0:  # its prompt was read up to its end this round
+                self._keep_prompt(r)
             if o.verified:
                 m.verified += 1
                 m.committed += o.accepted + 1
@@ -238,6 +248,12 @@ class Scheduler:
                 self._finish(r, "error", f"{type(o.error).__name__}: {o.error}")
             else:
                 self._finish_if_done(r)
+
+    def _keep_prompt(self, r: Request) -> None:
+        try:
+            self.prefix_cache.store(r.seq)
+        except Exception:  # noqa: BLE001 - e.g. out of memory for the copy: the request itself is unharmed
+            log.exception("castspec: keeping the prompt of request %d failed", r.id)
 
     def _deliver(self, r: Request, tokens: list[int], logprobs: list, now: float | None = None) -> None:
         """Hand a request its new tokens and, when it asked for them, their log-probabilities."""
@@ -301,6 +317,10 @@ class Scheduler:
                         forked.append((r, first))
                     else:
                         r.seq = Sequence(self.target, self.drafter, r.prompt, r.cfg, self.max_nodes)
+                        taken = self.prefix_cache.restore(r.seq)
+                        if taken:
+                            self.metrics.prefix_hits += 1
+                            self.metrics.prefix_hit_tokens += taken
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory for its caches
                     self._finish(r, "error", f"{type(e).__name__}: {e}")
                     continue
