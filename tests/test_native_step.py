@@ -37,7 +37,8 @@ CONFIGS = {
     "qwen3-head-dim-128": lambda: qwen3_config(head_dim=128, num_attention_heads=8),
 }
 # Longer prompts for those shapes: rows then see whole chunks of 32 keys, which the tiles share among the rows of
-# a tree or a prompt chunk, and partial ones, which each row takes alone
+# a tree or a prompt chunk, and partial ones, which a prompt chunk's rows share too (each row's keys past its end
+# weighted zero) and a tree's rows take one by one
 LONG = {"llama-head-dim-64": 3, "qwen3-head-dim-128": 3}
 
 

@@ -14,8 +14,10 @@
  * arithmetic is nonetheless that of the head alone: a C tile element depends only on its own query row and key
  * column, every head walks its visible keys (its compact list, RowAttn) in chunks of 32 aligned at the list's
  * start, and the chunks every row of a block sees at the same place (whole chunks of its leading run of slots
- * 0, 1, 2, ...) are merely computed for all of them at once, the rest row by row on the same instructions. So a
- * row's bits are the same alone or in any block, and a tree row's are the decode step's at its position.
+ * 0, 1, 2, ...; for rows that each see slots 0, 1, 2, ... up to their own end, as a prompt chunk's, every chunk up
+ * to the longest one's end, each row's keys past its own end weighted zero) are merely computed for all of them
+ * at once, the rest row by row on the same instructions. So a row's bits are the same alone or in any block,
+ * and a tree row's are the decode step's at its position.
  */
 #ifndef CASTSPEC_ATTN_AMX_H
 #define CASTSPEC_ATTN_AMX_H
@@ -28,7 +30,7 @@ typedef struct {
     uint16_t *kt;   /* [d / 32, 16, 32] a group's key tiles */
     uint16_t *vp;   /* [16, 128] a chunk's value tiles (64 columns) */
     uint16_t *rows; /* [32, d] gathered keys or values */
-    float *cb;      /* [16, 64] sums after the shared chunks */
+    float *cb;      /* [16, 64] sums after the joint chunks */
     float *tmp;     /* [16, 64] a tile's sums */
 } AmxAttnScratch;
 
@@ -189,11 +191,21 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
     const float scale = 1.f / sqrtf((float)d);
     const int64_t at = kvh * rows[0].head_stride;
     const uint16_t *K = (const uint16_t *)rows[0].K + at, *V = (const uint16_t *)rows[0].V + at;
-    int shared = INT32_MAX; /* whole chunks of 32 every row sees as slots 0, 1, 2, ... */
+    /* Chunks of 32 keys computed for every row of the block at once. Where each row sees slots 0, 1, 2, ... up
+     * to its own end (a prompt chunk's rows, a decode step): every chunk up to the longest row's end, read
+     * straight from the cache up to its last whole chunk (`direct`), the rest gathered with zeros past that
+     * end; a row's keys past its own end get zero weight and chunks past its own last add exact zeros to its
+     * sums, so its bits are those of the row alone. Otherwise (a tree's rows): the whole chunks every row sees
+     * as slots 0, 1, 2, ..., then each row's own. */
+    int shared = INT32_MAX, pure = 1, longest = 0;
     for (int r = 0; r < nb; ++r) {
-        const int run = leading_run(&rows[r]) / 32;
-        if (run < shared) shared = run;
+        const int run = leading_run(&rows[r]);
+        if (run < rows[r].n) pure = 0;
+        if (run / 32 < shared) shared = run / 32;
+        if (rows[r].n > longest) longest = rows[r].n;
     }
+    const int direct = pure ? longest / 32 : shared, joint = pure ? (longest + 31) / 32 : shared;
+    const RowAttn upto = {rows[0].K, rows[0].V, rows[0].head_stride, longest, NULL}; /* slots [0, longest) */
     for (int i = 0; i < Q; ++i) { /* queries as hi | lo bf16 */
         const float *qi = q + (i / G) * ldq + (h0 + i % G) * d;
         for (int c = 0; c < d; c += 16) {
@@ -203,18 +215,23 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
             _mm256_storeu_si256((__m256i *)(w->qa + 16 * d + i * d + c), narrow(_mm512_sub_ps(x, widen(hi))));
         }
     }
-    /* scores: the shared chunks for every query row, then each row's own */
-    for (int g = 0; g < 2 * shared; ++g) {
-        /* the keys two groups on into L1 and this group's values into L2 (the weighted sum reads them next):
-         * short streams that the hardware prefetcher, still ramping up, would leave to stall the tile loads */
-        fetch_rows(K + (int64_t)16 * (g + 2) * d, g + 2 < 2 * shared ? 16 : 0, d, _MM_HINT_T0);
-        fetch_rows(V + (int64_t)16 * g * d, 16, d, _MM_HINT_T1);
-        keys_tiles(K + (int64_t)16 * g * d, d, d, w->kt);
+    /* scores: the joint chunks for every query row, then each row's own */
+    for (int g = 0; g < 2 * joint && 16 * g < longest; ++g) {
+        if (g < 2 * direct) {
+            /* the keys two groups on into L1 and this group's values into L2 (the weighted sum reads them next):
+             * short streams that the hardware prefetcher, still ramping up, would leave to stall the tile loads */
+            fetch_rows(K + (int64_t)16 * (g + 2) * d, g + 2 < 2 * direct ? 16 : 0, d, _MM_HINT_T0);
+            fetch_rows(V + (int64_t)16 * g * d, 16, d, _MM_HINT_T1);
+            keys_tiles(K + (int64_t)16 * g * d, d, d, w->kt);
+        } else {
+            gather_rows(K, &upto, 16 * g, 16, d, w->rows);
+            keys_tiles(w->rows, d, d, w->kt);
+        }
         score_tile(w, d);
         _tile_stored(0, w->s + 16 * g, 4 * S32);
     }
     for (int r = 0; r < nb; ++r)
-        for (int g = 2 * shared; 16 * g < rows[r].n; ++g) {
+        for (int g = 2 * joint; 16 * g < rows[r].n; ++g) {
             gather_rows(K, &rows[r], 16 * g, 16, d, w->rows);
             keys_tiles(w->rows, d, d, w->kt);
             score_tile(w, d);
@@ -247,21 +264,30 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
             _mm256_storeu_si256((__m256i *)(hi + c), h);
             _mm256_storeu_si256((__m256i *)(lo + c), narrow(_mm512_sub_ps(e, widen(h))));
         }
+        if (32 * joint > n32) { /* joint chunks past this row's end: zero weights */
+            memset(hi + n32, 0, sizeof(uint16_t) * (32 * (size_t)joint - n32));
+            memset(lo + n32, 0, sizeof(uint16_t) * (32 * (size_t)joint - n32));
+        }
         inv[i] = 1.f / _mm512_reduce_add_ps(vsum);
     }
-    /* the values' weighted sum, 64 columns at a time: shared chunks for all, then each row's own */
+    /* the values' weighted sum, 64 columns at a time: joint chunks for all, then each row's own */
     for (int c0 = 0; c0 < d; c0 += 64) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int c = 0; c < shared; ++c) {
-            value_tiles(V + (int64_t)32 * c * d, d, c0, w->vp);
+        for (int c = 0; c < joint; ++c) {
+            if (c < direct) {
+                value_tiles(V + (int64_t)32 * c * d, d, c0, w->vp);
+            } else {
+                gather_rows(V, &upto, 32 * c, 32, d, w->rows);
+                value_tiles(w->rows, d, c0, w->vp);
+            }
             weigh_tile(w, S32, c);
         }
         store_sums(w->cb);
         for (int r = 0; r < nb; ++r) {
             const float *sums = w->cb;
-            if (32 * shared < rows[r].n) {
+            if (32 * joint < rows[r].n) {
                 load_sums(w->cb);
-                for (int c = shared; 32 * c < rows[r].n; ++c) {
+                for (int c = joint; 32 * c < rows[r].n; ++c) {
                     gather_rows(V, &rows[r], 32 * c, 32, d, w->rows);
                     value_tiles(w->rows, d, c0, w->vp);
                     weigh_tile(w, S32, c);
