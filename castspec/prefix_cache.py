@@ -1,18 +1,21 @@
-"""Prompt prefixes read once: a request whose prompt starts like an earlier one's copies that part of its caches
-instead of reading it again (what vLLM calls automatic prefix caching and SGLang a radix cache).
+"""Prompt prefixes read once: a request whose prompt starts like an earlier request's context (its prompt, or its
+prompt and answer) copies that part of its caches instead of reading it again (what vLLM calls automatic prefix
+caching and SGLang a radix cache).
 
 Why: reading a prompt is compute-bound (every prompt token is a row of every product), and under load it is a
-large share of a server's work: chat requests share the chat template's system turn, and clients resend the same
-conversation with one more turn. A request admitted here takes the longest prefix it shares with a kept prompt.
+large share of a server's work: chat requests share the chat template's system turn, and a chat client sends
+the whole conversation again with one more turn. A request admitted here takes the longest prefix it shares
+with a kept context.
 
-Exactness: a prompt row's keys, values and tapped features depend only on the tokens up to it. The native
-forwards compute every row's bits the same whatever else is in the forward (csrc/layer.h), so a prefix copied
-from another request's prompt is bit for bit the prefix this request would have read, and its outputs are the
-same; on torch's kernels the copy differs from a fresh read no more than reading the prompt in other chunks does.
+Exactness: a row's keys, values and tapped features depend only on the tokens up to it. The native forwards
+compute every row's bits the same whatever else is in the forward (csrc/layer.h), so a prefix copied from
+another request is bit for bit the prefix this request would have read, and its outputs are the same; on
+torch's kernels the copy differs from a fresh read no more than reading the prompt in other chunks does.
 
-What is kept: per prompt, the target cache's slots of the prompt and, where the request drafts, the target
-features the drafter reads as its context (a drafter fuses a prompt's context only after the prompt is read, so
-these are all of its state). The oldest entries go first once the kept bytes pass `max_bytes`.
+What is kept, per request, when it has read its prompt and again when it ends: the target cache's slots of its
+committed context and, where it drafts, the drafter's state for them (its context cache for the positions its
+passes have fused, the target features of the rest). The oldest entries go first once the kept bytes pass
+`max_bytes`.
 """
 from __future__ import annotations
 
@@ -27,17 +30,28 @@ from .sequence import Sequence
 
 @dataclass
 class _Entry:
-    tokens: np.ndarray  # int64 [n]
+    tokens: np.ndarray  # int64 [n]: the context whose caches are kept
     k: torch.Tensor  # [layers, 1, kv_heads, n, head_dim]
     v: torch.Tensor
-    features: torch.Tensor | None  # [1, n, taps * hidden]: the drafter's context rows; None if it did not draft
     taps: tuple[int, ...]
+    # a drafting request's drafter state (None for one that did not draft): its context cache's first `fused`
+    # slots, and the target features of positions [fused, n)
+    draft_k: torch.Tensor | None = None
+    draft_v: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+
+    @property
+    def fused(self) -> int:
+        return 0 if self.draft_k is None else self.draft_k.shape[3]
+
+    @property
+    def drafts(self) -> bool:
+        return self.features is not None
 
     @property
     def nbytes(self) -> int:
-        f = self.features
-        return (self.k.numel() * self.k.element_size() * 2
-                + (0 if f is None else f.numel() * f.element_size()) + self.tokens.nbytes)
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.draft_k, self.draft_v, self.features)
+                   if t is not None) + self.tokens.nbytes
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -68,7 +82,7 @@ class PrefixCache:
         prompt = np.asarray(seq.prompt, dtype=np.int64)
         best, best_n = None, 0
         for key, e in self._entries.items():
-            if e.taps != seq.taps or (seq.draft is not None and e.features is None):
+            if e.taps != seq.taps or (seq.draft is not None and not e.drafts):
                 continue
             n = _common_prefix(prompt, e.tokens)
             if n > best_n:
@@ -82,35 +96,45 @@ class PrefixCache:
         seq.cache.v[:, :, :, :n] = e.v[:, :, :, :n]
         seq.cache.length = seq.prefilled = n
         if seq.draft is not None:
-            seq.draft.add_context(e.features[:, :n])
+            fused = min(n, e.fused)
+            if fused:
+                seq.draft.cache.k[:, :, :, :fused] = e.draft_k[:, :, :, :fused]
+                seq.draft.cache.v[:, :, :, :fused] = e.draft_v[:, :, :, :fused]
+            seq.draft.cache.length = fused
+            if n > fused:
+                seq.draft.add_context(e.features[:, :n - fused])
         self.hits += 1
         self.hit_tokens += n
         return n
 
     def store(self, seq: Sequence) -> None:
-        """After `seq` has read its whole prompt (before any drafter pass): keep its prompt's caches, unless a
-        kept prompt already starts with it; kept prompts it extends are dropped."""
+        """Keep `seq`'s committed context (after it has read its prompt: at its end, or when it finishes),
+        unless a kept context already starts with it; kept contexts it extends are dropped."""
         if self.max_bytes <= 0 or seq.reading_prompt or seq.prompt_logits is None:
             return
-        n = len(seq.prompt)
-        features = None
+        # the cache's slots hold the prompt and the output but its last token, and past a stop token the rest
+        # of an accepted path that was cut from the output: only the slots of known tokens are kept
+        tokens = (seq.prompt + seq.output)[:seq.cache.length]
+        n = len(tokens)
+        entry = _Entry(np.asarray(tokens, dtype=np.int64), seq.cache.k[:, :, :, :n].clone(),
+                       seq.cache.v[:, :, :, :n].clone(), seq.taps)
         if seq.draft is not None:
-            pending = seq.draft.pending
-            if seq.draft.cache.length or pending is None or pending.shape[1] < n:
-                return  # the drafter has already fused some of the prompt: its context is not all here
-            features = pending[:, :n].clone()
-        tokens = np.asarray(seq.prompt, dtype=np.int64)
+            fused, pending = seq.draft.cache.length, seq.draft.pending
+            if fused + (0 if pending is None else pending.shape[1]) != seq.cache.length:
+                return  # the drafter's state does not cover the context (not at a round's end)
+            fused = min(fused, n)
+            entry.draft_k = seq.draft.cache.k[:, :, :, :fused].clone()
+            entry.draft_v = seq.draft.cache.v[:, :, :, :fused].clone()
+            entry.features = torch.zeros(1, 0, 0) if n == fused else pending[:, :n - fused].clone()
         for key, e in list(self._entries.items()):
             if e.taps != seq.taps:
                 continue
-            shared = _common_prefix(tokens, e.tokens)
-            if shared == n and (features is None or e.features is not None):
+            shared = _common_prefix(entry.tokens, e.tokens)
+            if shared == n and (e.drafts or not entry.drafts):
                 self._entries.move_to_end(key)
-                return  # already kept, as part of a longer prompt or alone
-            if shared == len(e.tokens) and (e.features is None or features is not None):
+                return  # already kept, as part of a longer context or alone
+            if shared == len(e.tokens) and (entry.drafts or not e.drafts):
                 self._drop(key)
-        entry = _Entry(tokens, seq.cache.k[:, :, :, :n].clone(), seq.cache.v[:, :, :, :n].clone(), features,
-                       seq.taps)
         if entry.nbytes > self.max_bytes:
             return
         self._ids += 1

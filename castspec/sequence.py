@@ -142,6 +142,7 @@ class Sequence:
         self.sampler = Sampler(self.proc, cfg.seed) if cfg.temperature > 0 else None  # None = greedy
         self.stop = set(cfg.stop_token_ids)
         self.new_logprobs: list[TokenLogprob] = []  # of the tokens the last round emitted (cfg.logprobs)
+        self.output: list[int] = []  # the tokens emitted so far
         self.emitted = 0
         self.done = cfg.max_new_tokens == 0
         self.finish_reason: str | None = "length" if self.done else None  # "stop" | "length" once done
@@ -271,5 +272,6 @@ class Sequence:
                 token_logprob(self.proc.logprobs(logits[rows[j]], self.history.at(new[:j]) if processed else None,
                                                  processed), tok, self.cfg.logprobs) for j, tok in enumerate(new)]
         self.history.extend(new)
+        self.output.extend(new)
         self.emitted += len(new)
         return new

@@ -96,24 +96,29 @@ def test_bf16_requests_are_the_same_alone_and_in_any_batch(models, policy):
 
 @pytest.mark.parametrize("method", ["ar", "cast"])
 def test_bf16_prompt_prefixes_copied_from_earlier_requests_change_no_bit(models, method):
-    """Prompts that share prefixes with earlier ones (a common start, a prompt and its extension, one prompt
-    twice): those that copy a kept prefix (castspec.prefix_cache) commit exactly what they commit alone, greedy
-    and seeded (tests/test_prefix_cache.py compares the caches' bits)."""
+    """Prompts that share prefixes with earlier requests (a common start, a prompt and its extension, one prompt
+    twice, a next turn after an earlier request's answer): those that copy a kept prefix (castspec.prefix_cache)
+    commit exactly what they commit alone, greedy and seeded (tests/test_prefix_cache.py compares the caches'
+    bits)."""
     target, drafter = models
+    d = drafter if method != "ar" else None
     base = prompts(1, seed=4)[0] + prompts(1, seed=5)[0]
     tails = prompts(4, seed=6)
-    ps = [base, base + tails[0], base[:7] + tails[1], base + tails[0] + tails[2], base, tails[3]]
+    answer = run(target, d, base, method=method, max_new_tokens=16)
+    # the last: a next turn, the conversation so far (the first request's prompt and answer) and more
+    ps = [base, base + tails[0], base[:7] + tails[1], base + tails[0] + tails[2], base, tails[3],
+          base + answer + tails[1][:4]]
     requests = [(p, DecodeConfig(method=method, max_new_tokens=16)) for p in ps]
     requests.append((ps[1], DecodeConfig(method=method, max_new_tokens=16, temperature=0.8, seed=5)))
-    alone = [run(target, drafter if method != "ar" else None, p, method=method, max_new_tokens=16,
-                 temperature=c.temperature, seed=c.seed) for p, c in requests]
+    alone = [run(target, d, p, method=method, max_new_tokens=16, temperature=c.temperature, seed=c.seed)
+             for p, c in requests]
     cfg = SchedulerConfig(max_batch=3, prefill_budget=13, policy="cost", width=40)
     sched = Scheduler(target, drafter, cfg, method=method, profile=flat_profile())
-    outs, _ = serve_all(sched, requests, arrivals=[0, 6, 12, 18, 24, 30, 36])
+    outs, _ = serve_all(sched, requests, arrivals=[0, 6, 12, 18, 24, 30, 120, 36])
     for i, ref in enumerate(alone):
         assert outs[i] == ref, (method, i)
     m = sched.metrics.snapshot()
-    assert m["prefix_hits"] >= 5 and m["prefix_hit_tokens"] >= 3 * len(base)
+    assert m["prefix_hits"] >= 6 and m["prefix_hit_tokens"] >= 4 * len(base) + len(answer) - 1
     assert m["prefill_tokens"] + m["prefix_hit_tokens"] == sum(len(p) for p, _ in requests)
 
 

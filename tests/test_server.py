@@ -43,6 +43,26 @@ def sse(lines):
     return [json.loads(e) for e in events[:-1]]
 
 
+def test_a_prompt_read_before_is_copied_and_says_so(engine):
+    """The same prompt twice, then a next turn (prompt, answer, more): the later requests copy what was read
+    (usage.prompt_tokens_details.cached_tokens, as OpenAI and vLLM report it) and answer exactly as alone."""
+    with TestClient(make_app(engine)) as client:
+        prompt = [4, 5, 6, 7, 8, 9, 10, 11]
+        first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+        again = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+        answer = ar_tokens(engine, prompt, 12)
+        assert first["choices"][0]["text"] == again["choices"][0]["text"]
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": len(prompt) - 1}
+        turn = prompt + answer + [12, 13]
+        nxt = client.post("/v1/completions", json={"prompt": turn, "max_tokens": 12, "temperature": 0}).json()
+        assert nxt["choices"][0]["text"] == engine.tokenizer.decode(ar_tokens(engine, turn, 12),
+                                                                    skip_special_tokens=True)
+        assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) + len(answer) - 1
+        snap = client.get("/metrics?format=json").json()
+        assert snap["prefix_hits"] == 2 and snap["prefix_hit_tokens"] >= 2 * len(prompt) + len(answer) - 2
+
+
 def test_completions_chat_models_health_metrics(engine):
     with TestClient(make_app(engine)) as client:
         assert client.get("/health").json()["status"] == "ok"
@@ -54,7 +74,8 @@ def test_completions_chat_models_health_metrics(engine):
         truth = ar_tokens(engine, prompt, 20)
         assert body["object"] == "text_completion"
         assert body["choices"][0]["text"] == engine.tokenizer.decode(truth, skip_special_tokens=True)
-        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": len(truth), "total_tokens": 4 + len(truth)}
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": len(truth), "total_tokens": 4 + len(truth),
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         assert body["choices"][0]["finish_reason"] in ("stop", "length")
 
         msgs = [{"role": "user", "content": "w3 w4 w5"}]

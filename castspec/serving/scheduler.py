@@ -6,8 +6,9 @@ Policy (documented in docs/serving.md):
 - newcomers are admitted at round boundaries and their prompts are prefilled INSIDE the next rounds' forward,
   in chunks of at most `prefill_budget` prompt tokens per round in all, so running requests keep committing
   tokens every round while a long prompt is read (chunked prefill, no stall);
-- a newcomer whose prompt starts like a prompt read before copies that prefix's caches instead of reading it
-  again (castspec.prefix_cache; `prefix_cache_mb` bounds what is kept, 0 turns it off);
+- a newcomer whose prompt starts like an earlier request's context (its prompt, or prompt and answer) copies
+  that prefix's caches instead of reading it again (castspec.prefix_cache; `prefix_cache_mb` bounds what is
+  kept, 0 turns it off);
 - finished, cancelled and failed requests leave at the next round boundary and free their caches;
 - if a round raises, the batch is rolled back and every request is retried alone, so only the request that
   fails on its own gets the error.
@@ -85,6 +86,7 @@ class Request:
     stop_reason: str | None = None  # set by finish(): why the client ended it early
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    cached_tokens: int = 0  # prompt tokens copied from a kept prefix instead of read (castspec.prefix_cache)
     tokens: int = 0
     rounds: int = 0
     finish_reason: str | None = None
@@ -237,7 +239,7 @@ class Scheduler:
         now = time.perf_counter()
         for r, o in zip(batch, out.sequences):
             if not o.verified and o.emitted and r.tokens == 0:  # its prompt was read up to its end this round
-                self._keep_prompt(r)
+                self._keep_context(r)
             if o.verified:
                 m.verified += 1
                 m.committed += o.accepted + 1
@@ -249,11 +251,11 @@ class Scheduler:
             else:
                 self._finish_if_done(r)
 
-    def _keep_prompt(self, r: Request) -> None:
+    def _keep_context(self, r: Request) -> None:
         try:
             self.prefix_cache.store(r.seq)
         except Exception:  # noqa: BLE001 - e.g. out of memory for the copy: the request itself is unharmed
-            log.exception("castspec: keeping the prompt of request %d failed", r.id)
+            log.exception("castspec: keeping the context of request %d failed", r.id)
 
     def _deliver(self, r: Request, tokens: list[int], logprobs: list, now: float | None = None) -> None:
         """Hand a request its new tokens and, when it asked for them, their log-probabilities."""
@@ -295,6 +297,8 @@ class Scheduler:
                 self._finish(r, r.stop_reason or "cancelled")
             if not r.seq.done:
                 keep.append(r)
+            elif r.finish_reason in ("stop", "length"):  # its prompt and answer: what a next turn starts with
+                self._keep_context(r)
         self._active = keep
 
     def _admit(self) -> None:
@@ -317,7 +321,7 @@ class Scheduler:
                         forked.append((r, first))
                     else:
                         r.seq = Sequence(self.target, self.drafter, r.prompt, r.cfg, self.max_nodes)
-                        taken = self.prefix_cache.restore(r.seq)
+                        taken = r.cached_tokens = self.prefix_cache.restore(r.seq)
                         if taken:
                             self.metrics.prefix_hits += 1
                             self.metrics.prefix_hit_tokens += taken

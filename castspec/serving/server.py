@@ -272,9 +272,11 @@ def create_app(engine, scheduler: Scheduler, config: ServerConfig | None = None)
 
 
 def usage(job: Prepared, choices: list[Choice]) -> dict:
-    """OpenAI's usage: the prompt counted once, every continuation's tokens."""
+    """OpenAI's usage: the prompt counted once, every continuation's tokens, and (as OpenAI and vLLM report it)
+    how many prompt tokens were copied from a kept prefix instead of read (castspec.prefix_cache)."""
     n, out = len(job.ids), sum(c.req.tokens for c in choices)
-    return {"prompt_tokens": n, "completion_tokens": out, "total_tokens": n + out}
+    return {"prompt_tokens": n, "completion_tokens": out, "total_tokens": n + out,
+            "prompt_tokens_details": {"cached_tokens": choices[0].req.cached_tokens if choices else 0}}
 
 
 def castspec_stats(choices: list[Choice]) -> dict:
