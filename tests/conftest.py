@@ -27,9 +27,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from castspec.config import DrafterConfig  # noqa: E402
+from castspec.config import DecodeConfig, DrafterConfig  # noqa: E402
 from castspec.models.dflash import DFlashDrafter  # noqa: E402
 from castspec.models.load import build_target  # noqa: E402
+from castspec.round import run_round  # noqa: E402
+from castspec.sequence import Sequence  # noqa: E402
 from castspec.serving.scheduler import Request  # noqa: E402
 
 # Tiny models: one thread is faster (no fork/join per op) and keeps the suite steady on a loaded machine.
@@ -152,3 +154,17 @@ def serve_all(scheduler, reqs, arrivals):
         step += 1
         assert step < 2000
     return outs, reasons
+
+
+def read_prompt(target, drafter, prompt, method="cast", cache=None, budget=1000):
+    """A Sequence that has read its prompt in chunks of at most `budget` tokens, after taking what `cache` (a
+    castspec.prefix_cache.PrefixCache) holds and kept in it afterwards."""
+    seq = Sequence(target, drafter, prompt, DecodeConfig(method=method, max_new_tokens=4), 8)
+    if cache is not None:
+        cache.restore(seq)
+    with torch.inference_mode():
+        while seq.reading_prompt:
+            run_round(target, drafter, [seq], None, prefill_budget=budget)
+    if cache is not None:
+        cache.store(seq)
+    return seq

@@ -17,8 +17,9 @@ from castspec.cost import CostProfile
 from castspec.decode import decode
 from castspec.engine import Engine
 from castspec.models.load import build_target
+from castspec.prefix_cache import PrefixCache
 from castspec.serving.scheduler import Scheduler, SchedulerConfig
-from conftest import llama_config, qwen3_config, random_drafter, serve_all
+from conftest import llama_config, qwen3_config, random_drafter, read_prompt, serve_all
 from native_support import native_library
 
 VOCAB = 96
@@ -120,6 +121,24 @@ def test_bf16_prompt_prefixes_copied_from_earlier_requests_change_no_bit(models,
     m = sched.metrics.snapshot()
     assert m["prefix_hits"] >= 6 and m["prefix_hit_tokens"] >= 4 * len(base) + len(answer) - 1
     assert m["prefill_tokens"] + m["prefix_hit_tokens"] == sum(len(p) for p, _ in requests)
+
+
+def test_bf16_a_copied_prefix_leaves_the_caches_a_full_read_leaves(models):
+    """castspec.prefix_cache: a prompt that copies the start of another's and reads the rest holds the bits a full
+    read of it writes (target cache, the drafter's pending features, the prompt's logits)."""
+    target, drafter = models
+    first = prompts(1, seed=8)[0] + prompts(1, seed=9)[0]
+    later = first[:len(first) * 2 // 3] + prompts(1, seed=10)[0]
+    cache = PrefixCache(max_bytes=2**30)
+    read_prompt(target, drafter, first, cache=cache, budget=8)
+    copied = read_prompt(target, drafter, later, cache=cache, budget=5)
+    whole = read_prompt(target, drafter, later, budget=1000)
+    assert cache.hit_tokens >= len(first) * 2 // 3 and target.backend.active  # every read ran the native code
+    n = len(later)
+    assert torch.equal(copied.cache.k[:, :, :, :n], whole.cache.k[:, :, :, :n])
+    assert torch.equal(copied.cache.v[:, :, :, :n], whole.cache.v[:, :, :, :n])
+    assert torch.equal(copied.draft.pending, whole.draft.pending)
+    assert torch.equal(copied.prompt_logits, whole.prompt_logits)
 
 
 def test_engine_says_which_guarantee_holds(models):
