@@ -76,6 +76,8 @@ def cmd_loadtest(args) -> int:
             args.url = check_loopback(args.url)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.prefix_cache_mb < 0:
+        raise UserError("--prefix-cache-mb must be >= 0 (0 turns the prefix cache off)")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
