@@ -14,7 +14,7 @@ from castspec.decode import decode
 from castspec.engine import Engine
 from castspec.serving.live import LiveServer
 from castspec.cli.loadtest import parse_spec
-from castspec.serving.loadtest import run_load, summarize
+from castspec.serving.loadtest import run_conversations, run_load, summarize
 from castspec.serving.scheduler import Request, SchedulerConfig
 from castspec.serving.frontend import ServerConfig
 from castspec.serving.server import Chunks, Mailbox, TextStream, create_app
@@ -233,6 +233,20 @@ def test_loadtest_against_a_live_server(engine):
         parse_spec("fixed")
     with pytest.raises(ValueError, match="unknown"):
         parse_spec("widest")
+
+
+def test_two_turn_chats_copy_the_first_turn_when_the_prefix_cache_is_on(engine):
+    """The load test's --conversations: a second turn sends the first turn and its answer again; with kept prefixes
+    the server copies them (usage's cached tokens), without it reads everything."""
+    convs = [("w3 w4 w5 w6", "w7 w8"), ("w9 w10 w11", "w12")]
+    for mb, copied in ((256.0, True), (0.0, False)):
+        sched = engine.scheduler(SchedulerConfig(max_batch=2, policy="fixed", width=4, prefix_cache_mb=mb), "cast")
+        with LiveServer(create_app(engine, sched)) as url:
+            res = asyncio.run(run_conversations(url, convs, concurrency=2, max_tokens=6))
+        first, second = res["turn1"], res["turn2"]
+        assert res["conversations"] == 2 and first["ok"] == second["ok"] == 2 and second["errors"] == []
+        assert second["prompt_tokens"] > first["prompt_tokens"]
+        assert (second["cached_tokens"] >= first["prompt_tokens"]) if copied else second["cached_tokens"] == 0
 
 
 def test_the_mailbox_wakes_the_loop_once_per_burst_and_keeps_each_queue_in_order():

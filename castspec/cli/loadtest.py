@@ -10,9 +10,11 @@ from pathlib import Path
 
 from ..allocate import PolicySpec
 from ..bench.tax import measure_tax
+from ..prompts import mtbench_second_turns
 from ..serving.frontend import ServerConfig
 from ..serving.live import LiveServer, ServeProcess, check_loopback
-from ..serving.loadtest import SoakConfig, load_messages, plot, plot_soak, run_load, run_soak, summarize
+from ..serving.loadtest import (SoakConfig, load_messages, plot, plot_soak, run_conversations, run_load,
+                                  run_soak, summarize)
 from ..serving.scheduler import SchedulerConfig
 from ..serving.server import create_app
 from .common import UserError, add_model_args, load_engine
@@ -88,6 +90,8 @@ def cmd_loadtest(args) -> int:
         return cmd_soak(args, messages, out)
     if args.tax:
         return cmd_tax(args, messages, out)
+    if args.conversations:
+        return cmd_conversations(args, out)
     args.requests = args.requests or 16
     try:
         levels = [int(x) for x in (args.concurrency or "1,4,8,16").split(",")]
@@ -125,6 +129,41 @@ def cmd_loadtest(args) -> int:
     (out / "loadtest.json").write_text(json.dumps(report, indent=2))
     plot(results, out / "loadtest.png")
     print(json.dumps(report["summary"], indent=2))
+    return 0
+
+
+def cmd_conversations(args, out: Path) -> int:
+    """--conversations: two-turn chats (MT-Bench's first and second questions, the server's own answer between
+    them) at each concurrency; what the second turn's time to first token and prompt reading cost."""
+    try:
+        levels = [int(x) for x in (args.concurrency or "1,8").split(",")]
+    except ValueError:
+        raise UserError("--concurrency is a comma list of integers") from None
+    count = args.requests or 16
+    if min(levels) < 1 or count < 1 or args.max_tokens < 1:
+        raise UserError("concurrency, --requests and --max-tokens must be >= 1")
+    specs = [s.strip() for s in (args.policies or "ar").split(",") if s.strip()]
+    try:
+        parsed = {s: parse_spec(s) for s in specs}
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    conversations = [(p.earlier_turns[0], p.text) for p in mtbench_second_turns(count)]
+    engine = load_engine(args)
+    results = []
+    for spec, (method, policy, width) in parsed.items():
+        if method != "ar" and engine.drafter is None:
+            raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
+        for B in levels:
+            cfg = SchedulerConfig(max_batch=B, max_queue=max(64, 4 * B), policy=policy, width=width,
+                                  prefill_budget=args.prefill_budget, prefix_cache_mb=args.prefix_cache_mb)
+            with LiveServer(create_app(engine, engine.scheduler(cfg, method), ServerConfig())) as url:
+                res = asyncio.run(run_conversations(url, conversations, B, args.max_tokens, args.time_limit))
+            results.append({"policy": spec, "concurrency": B, **res})
+            print(json.dumps({"policy": spec, "concurrency": B,
+                              **{t: {k: res[t][k] for k in ("p50_ttft_s", "prompt_tokens", "cached_tokens")}
+                                 for t in ("turn1", "turn2")}}))
+    report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
+    (out / "conversations.json").write_text(json.dumps(report, indent=2))
     return 0
 
 
@@ -169,6 +208,12 @@ def register(sub) -> None:
                    help="at concurrency 1: engine.generate vs the scheduler in-process vs streamed HTTP on the same "
                         "prompts (decode ms/token, time to first token); --requests prompts (default 6)")
     t.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    c = p.add_argument_group("two-turn chats (--conversations)")
+    c.add_argument("--conversations", action="store_true",
+                   help="MT-Bench's first and second questions as chats (the server's answer between them) over "
+                        "--requests conversations (default 16), at each --concurrency (default 1,8), policies "
+                        "default ar: each turn's time to first token, prompt tokens and those copied from kept "
+                        "prefixes")
     s = p.add_argument_group("soak (--soak)")
     s.add_argument("--soak", action="store_true",
                    help="one long mixed load against a `castspec serve` process on 127.0.0.1: errors, p50/p99, "

@@ -32,9 +32,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
-async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+async def one_request(client: httpx.AsyncClient, body: dict, keep_text: bool = False) -> dict:
+    """One streamed chat request: latency, time to first token, tokens, the usage's prompt and cached prompt
+    tokens; with `keep_text`, the answer's text too."""
     t0 = time.perf_counter()
-    ttft, tokens, error = None, 0, None
+    ttft, tokens, error, usage, text = None, 0, None, {}, []
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -47,12 +49,60 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
                     if "error" in event:
                         error = event["error"]["message"]
                     elif event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
-                    elif ttft is None and any(c["delta"].get("content") for c in event["choices"]):
-                        ttft = time.perf_counter() - t0
+                        usage = event["usage"]
+                        tokens = usage["completion_tokens"]
+                    else:
+                        if ttft is None and any(c["delta"].get("content") for c in event["choices"]):
+                            ttft = time.perf_counter() - t0
+                        if keep_text:
+                            text.extend(c["delta"].get("content") or "" for c in event["choices"])
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
-    return {"latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens, "error": error}
+    out = {"latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens, "error": error,
+           "prompt_tokens": usage.get("prompt_tokens", 0),
+           "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
+    if keep_text:
+        out["text"] = "".join(text)
+    return out
+
+
+async def run_conversations(url: str, conversations: list[tuple[str, str]], concurrency: int, max_tokens: int,
+                            time_limit: float = 300.0) -> dict:
+    """Two-turn chats (first question, second question) over `concurrency` clients: each sends its first turn,
+    then the whole conversation with the second (the server's answer included), as a chat client does. Per
+    turn: p50/p99 time to first token, the prompt tokens and those the server copied instead of reading them
+    (castspec.prefix_cache)."""
+    def body(messages: list[dict]) -> dict:
+        return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "chat_template_kwargs": {"enable_thinking": False}}
+
+    turns: dict[int, list[dict]] = {1: [], 2: []}
+    queue = list(reversed(conversations))
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+        t0 = time.perf_counter()
+
+        async def worker():
+            while queue and time.perf_counter() - t0 < time_limit:
+                first, second = queue.pop()
+                chat = [{"role": "user", "content": first}]
+                one = await one_request(client, body(chat), keep_text=True)
+                turns[1].append(one)
+                if one["error"] is None:
+                    chat += [{"role": "assistant", "content": one["text"]}, {"role": "user", "content": second}]
+                    turns[2].append(await one_request(client, body(chat)))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    report = {"conversations": len(turns[1]), "wall_s": wall}
+    for t, results in turns.items():
+        ok = [r for r in results if r["error"] is None]
+        ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+        report[f"turn{t}"] = {
+            "requests": len(results), "ok": len(ok), "errors": [r["error"] for r in results if r["error"]][:5],
+            "p50_ttft_s": percentile(ttft, 50), "p99_ttft_s": percentile(ttft, 99),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in ok), "cached_tokens": sum(r["cached_tokens"] for r in ok),
+            "tokens": sum(r["tokens"] for r in ok)}
+    return report
 
 
 def load_messages(per_domain: int) -> list[list[dict]]:
