@@ -331,12 +331,21 @@ def pava(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 def least_slopes(table: np.ndarray) -> np.ndarray:
     """slopes[n] = min over m > n of (l(m) - l(n)) / (m - n): what any node after the n-th costs at least, on
-    average (inf for the last). Every request's policy builds these tables again, so in one array operation."""
-    n = np.arange(len(table))
-    ahead = n[None, :] - n[:, None]  # m - n
-    with np.errstate(divide="ignore", invalid="ignore"):
-        slopes = (table[None, :] - table[:, None]) / ahead
-    return np.where(ahead > 0, slopes, np.inf).min(axis=1)
+    average (inf for the last). Linear in the table's length, through the lower convex hull of the points right of
+    n, built from the right: the least slope from n is to the hull vertex where n's tangent touches it, and the
+    vertices before that one lie above the line from n to it, so they leave the hull as n joins. (Every pair of
+    counts at once cost ~10 ms for a batch of 16's table of ~1,000 counts, in the first drafted round of that
+    batch.)"""
+    t = np.asarray(table, dtype=float).tolist()
+    out = np.full(len(t), np.inf)
+    hull: list[int] = []  # the lower hull of the points right of n, the leftmost last
+    for n in range(len(t) - 1, -1, -1):
+        while len(hull) > 1 and (t[hull[-2]] - t[n]) / (hull[-2] - n) <= (t[hull[-1]] - t[n]) / (hull[-1] - n):
+            hull.pop()
+        if hull:
+            out[n] = (t[hull[-1]] - t[n]) / (hull[-1] - n)
+        hull.append(n)
+    return out
 
 
 def mean_prefix(prefixes: list[int]) -> int:

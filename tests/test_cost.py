@@ -368,8 +368,10 @@ def test_least_slopes_and_one_request_width_match_their_definitions():
     """RoundWidth's tables: slopes[n] = min over m > n of (l(m) - l(n)) / (m - n); with one request the width is
     the N maximizing g(N) - lambda * l(N) over its best-first masses (brute force over every N)."""
     rng = np.random.default_rng(0)
-    for L in (1, 2, 9, 64):
-        table = np.maximum.accumulate(rng.random(L) * 3 + np.arange(L) * 0.2)
+    steps = np.repeat(rng.random(30) * 4, 10).cumsum() + np.arange(300) * 0.01  # plateaus and jumps, as measured
+    for table in [np.maximum.accumulate(rng.random(L) * 3 + np.arange(L) * 0.2) for L in (1, 2, 9, 64, 300)] + [
+            steps, np.round(steps), np.full(50, 2.0), np.arange(40.0) ** 2, np.sqrt(np.arange(40.0))]:
+        L = len(table)
         brute = [min(((table[m] - table[n]) / (m - n) for m in range(n + 1, L)), default=np.inf) for n in range(L)]
         assert np.allclose(least_slopes(table), brute)
     packed = [1, 2, 4, 8, 16, 32, 64]
