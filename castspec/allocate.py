@@ -193,6 +193,7 @@ class CostAware(Policy):
         self.plain_rates: dict[int, float] = {}
         self.plain_seen: dict[int, int] = {}  # plain rounds measured per batch bucket
         self.gains: dict[int, float] = {}
+        self._pass_prices: dict[int, tuple[float | None, float]] = {}  # batch -> the profile's pass, context row
 
     def _plain_rate(self) -> float:
         """Measured once plain rounds have run; before that, the profile's price of a verify of B roots."""
@@ -218,13 +219,17 @@ class CostAware(Policy):
             return gain >= 1.0
         prof = self.rule.profile
         prefix = prof.prefix_lens[0]
-        draft = prof.batch_draft_at(batch, prefix, self.block_rows)
+        if batch not in self._pass_prices:  # asked every round under load: the profile's prices looked up once
+            draft = prof.batch_draft_at(batch, prefix, self.block_rows)
+            self._pass_prices[batch] = draft, (0.0 if draft is None else
+                                               prof.context_row_ms(prefix, batch, self.block_rows))
+        draft, row_ms = self._pass_prices[batch]
         if draft is None:
             return True
         tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * batch) if self.request_tokens is None else \
             (self.request_tokens, self.request_nodes * batch)
         extra_rows = max(context_rows - DRAFT_CONTEXT_ROWS * batch, 0)  # beyond what the probed pass fuses
-        context = extra_rows * prof.context_row_ms(prefix, batch, self.block_rows)
+        context = extra_rows * row_ms
         drafted_ms = (draft + context + prof.batch_verify_at(batch, batch + nodes, prefix)
                       + prof.batch_host_at(batch, nodes))
         return batch * tokens / max(drafted_ms, 1e-6) >= self._batch_plain_rate(batch)

@@ -50,8 +50,18 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.draft_k, self.draft_v, self.features)
-                   if t is not None) + self.tokens.nbytes
+        """The memory the entry holds alive: whole storages, where it shares a request's (see _kept)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (self.k, self.v, self.draft_k, self.draft_v, self.features) if t is not None}
+        return sum(storages.values()) + self.tokens.nbytes
+
+
+def _kept(t: torch.Tensor, n: int, owned: bool) -> torch.Tensor:
+    """Slots [0, n) of a cache tensor [layers, 1, heads, capacity, d], shared where the storage is the request's
+    own: a request never writes below its committed length again (later rows, tree nodes and their compaction
+    go past it), so a shared prefix stays as it was, and its storage outlives the request as long as the entry.
+    Copied where the storage is lent (castspec/graphs.py: the next sequence writes it)."""
+    return t[:, :, :, :n] if owned else t[:, :, :, :n].clone()
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -116,16 +126,22 @@ class PrefixCache:
         # of an accepted path that was cut from the output: only the slots of known tokens are kept
         tokens = (seq.prompt + seq.output)[:seq.cache.length]
         n = len(tokens)
-        entry = _Entry(np.asarray(tokens, dtype=np.int64), seq.cache.k[:, :, :, :n].clone(),
-                       seq.cache.v[:, :, :, :n].clone(), seq.taps)
+        owned = seq.cache.owned
+        entry = _Entry(np.asarray(tokens, dtype=np.int64), _kept(seq.cache.k, n, owned),
+                       _kept(seq.cache.v, n, owned), seq.taps)
         if seq.draft is not None:
             fused, pending = seq.draft.cache.length, seq.draft.pending
             if fused + (0 if pending is None else pending.shape[1]) != seq.cache.length:
                 return  # the drafter's state does not cover the context (not at a round's end)
-            fused = min(fused, n)
-            entry.draft_k = seq.draft.cache.k[:, :, :, :fused].clone()
-            entry.draft_v = seq.draft.cache.v[:, :, :, :fused].clone()
-            entry.features = torch.zeros(1, 0, 0) if n == fused else pending[:, :n - fused].clone()
+            fused, owned = min(fused, n), seq.draft.cache.owned
+            entry.draft_k = _kept(seq.draft.cache.k, fused, owned)
+            entry.draft_v = _kept(seq.draft.cache.v, fused, owned)
+            if n == fused:
+                entry.features = torch.zeros(1, 0, 0)
+            else:  # features are never written in place; a copy only where the rows sit in a larger tensor
+                rows = pending[:, :n - fused]
+                whole = rows.untyped_storage().nbytes() <= rows.numel() * rows.element_size()
+                entry.features = rows if whole else rows.clone()
         for key, e in list(self._entries.items()):
             if e.taps != seq.taps:
                 continue

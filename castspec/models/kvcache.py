@@ -23,6 +23,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0  # slots [0, length) hold committed entries
+        self.owned = True  # its storage is its own (False: lent, and written by other sequences later)
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
@@ -30,6 +31,7 @@ class KVCache:
         lends one static storage to one sequence after another: captured CUDA graphs use fixed addresses)."""
         cache = cls.__new__(cls)
         cache.k, cache.v, cache.capacity, cache.length = k, v, k.shape[3], 0
+        cache.owned = False
         return cache
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
