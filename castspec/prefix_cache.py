@@ -58,10 +58,11 @@ class _Entry:
 
 def _kept(t: torch.Tensor, n: int, owned: bool) -> torch.Tensor:
     """Slots [0, n) of a cache tensor [layers, 1, heads, capacity, d], shared where the storage is the request's
-    own: a request never writes below its committed length again (later rows, tree nodes and their compaction
-    go past it), so a shared prefix stays as it was, and its storage outlives the request as long as the entry.
-    Copied where the storage is lent (castspec/graphs.py: the next sequence writes it)."""
-    return t[:, :, :, :n] if owned else t[:, :, :, :n].clone()
+    own and mostly used: a request never writes below its committed length again (later rows, tree nodes and
+    their compaction go past it), so a shared prefix stays as it was, and the storage outlives the request as
+    long as the entry. Copied where the storage is lent (castspec/graphs.py: the next sequence writes it) or
+    mostly unused (a request that asked for many more tokens than it wrote would pin them all)."""
+    return t[:, :, :, :n] if owned and 2 * n >= t.shape[3] else t[:, :, :, :n].clone()
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
