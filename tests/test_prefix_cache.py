@@ -83,6 +83,8 @@ def test_a_finished_requests_answer_is_kept_with_its_drafter_state(models):
     assert seq.draft.cache.length > 0  # its drafter has fused some of the context
     cache = PrefixCache(max_bytes=2**30)
     cache.store(seq)
+    # its own storage, mostly used, is kept rather than copied, and counted whole
+    assert cache.bytes >= 2 * seq.cache.k.untyped_storage().nbytes()
     context = (seq.prompt + seq.output)[:seq.cache.length]
     turn = Sequence(target, drafter, context + [30, 31], DecodeConfig(max_new_tokens=2), 8)
     assert cache.restore(turn) == len(context)
