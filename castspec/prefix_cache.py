@@ -35,7 +35,7 @@ class _Entry:
     v: torch.Tensor
     taps: tuple[int, ...]
     # a drafting request's drafter state (None for one that did not draft): its context cache's first `fused`
-    # slots, and the target features of positions [fused, n)
+    # slots, and the target features of positions [fused, n) (None where its passes fused them all)
     draft_k: torch.Tensor | None = None
     draft_v: torch.Tensor | None = None
     features: torch.Tensor | None = None
@@ -46,7 +46,7 @@ class _Entry:
 
     @property
     def drafts(self) -> bool:
-        return self.features is not None
+        return self.draft_k is not None
 
     @property
     def nbytes(self) -> int:
@@ -137,9 +137,7 @@ class PrefixCache:
             fused, owned = min(fused, n), seq.draft.cache.owned
             entry.draft_k = _kept(seq.draft.cache.k, fused, owned)
             entry.draft_v = _kept(seq.draft.cache.v, fused, owned)
-            if n == fused:
-                entry.features = torch.zeros(1, 0, 0)
-            else:  # features are never written in place; a copy only where the rows sit in a larger tensor
+            if n > fused:  # features are never written in place; a copy only where the rows sit in a larger tensor
                 rows = pending[:, :n - fused]
                 whole = rows.untyped_storage().nbytes() <= rows.numel() * rows.element_size()
                 entry.features = rows if whole else rows.clone()

@@ -32,7 +32,7 @@ from ..serving.server import create_app
 
 
 def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: bool = False,
-        prefix_cache_mb: float = 256.0) -> dict:
+        prefix_cache_mb: float = SchedulerConfig.prefix_cache_mb) -> dict:
     """One closed loop; `spec` is a load test policy (ar, chain, cost, fixed:N, ...) or "<policy>-plain" (never
     drafts). `http`: through the load test's clients and server instead of stepping the scheduler here.
     `prefix_cache_mb`: the scheduler's kept prompt prefixes (0: every prompt read whole)."""
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
-    p.add_argument("--prefix-cache-mb", type=float, default=256.0, help="the server's kept prompt prefixes (0: off)")
+    p.add_argument("--prefix-cache-mb", type=float, default=SchedulerConfig.prefix_cache_mb,
+                   help="the server's kept prompt prefixes (0: off)")
     args = p.parse_args(argv)
     specs = [s.strip() for s in args.policies.split(",") if s.strip()] + (["cost-plain"] if args.plain_too else [])
     engine = load(target=args.target, drafter=args.drafter, dtype=args.dtype)

@@ -72,6 +72,20 @@ def cmd_soak(args, messages: list[list[dict]], out: Path) -> int:
     return 0
 
 
+def check_drafter(engine, spec: str, method: str) -> None:
+    """A policy that drafts needs the engine's drafter: a one-line refusal before any level runs."""
+    if method != "ar" and engine.drafter is None:
+        raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
+
+
+def level_server(engine, args, method: str, policy: str, width: int, B: int) -> LiveServer:
+    """The in-process server one load level runs against: B requests decode together, with the run's prefill
+    budget and kept prefixes."""
+    cfg = SchedulerConfig(max_batch=B, max_queue=max(64, 4 * B), policy=policy, width=width,
+                          prefill_budget=args.prefill_budget, prefix_cache_mb=args.prefix_cache_mb)
+    return LiveServer(create_app(engine, engine.scheduler(cfg, method), ServerConfig()))
+
+
 def cmd_loadtest(args) -> int:
     try:
         if args.url:
@@ -111,13 +125,9 @@ def cmd_loadtest(args) -> int:
     else:
         engine = load_engine(args)
         for spec, (method, policy, width) in parsed.items():
-            if method != "ar" and engine.drafter is None:
-                raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
+            check_drafter(engine, spec, method)
             for B in levels:
-                cfg = SchedulerConfig(max_batch=B, max_queue=max(64, 4 * B), policy=policy, width=width,
-                                      prefill_budget=args.prefill_budget, prefix_cache_mb=args.prefix_cache_mb)
-                app = create_app(engine, engine.scheduler(cfg, method), ServerConfig())
-                with LiveServer(app) as url:
+                with level_server(engine, args, method, policy, width, B) as url:
                     res = asyncio.run(run_load(url, messages, B, max(args.requests, B), args.max_tokens, args.rate,
                                                args.time_limit))
                 results.append({"policy": spec, "concurrency": B, **res})
@@ -151,12 +161,9 @@ def cmd_conversations(args, out: Path) -> int:
     engine = load_engine(args)
     results = []
     for spec, (method, policy, width) in parsed.items():
-        if method != "ar" and engine.drafter is None:
-            raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
+        check_drafter(engine, spec, method)
         for B in levels:
-            cfg = SchedulerConfig(max_batch=B, max_queue=max(64, 4 * B), policy=policy, width=width,
-                                  prefill_budget=args.prefill_budget, prefix_cache_mb=args.prefix_cache_mb)
-            with LiveServer(create_app(engine, engine.scheduler(cfg, method), ServerConfig())) as url:
+            with level_server(engine, args, method, policy, width, B) as url:
                 res = asyncio.run(run_conversations(url, conversations, B, args.max_tokens, args.time_limit))
             results.append({"policy": spec, "concurrency": B, **res})
             print(json.dumps({"policy": spec, "concurrency": B,
@@ -174,8 +181,7 @@ def cmd_tax(args, messages: list[list[dict]], out: Path) -> int:
     report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": []}
     for spec in [s.strip() for s in (args.policies or "ar").split(",") if s.strip()]:
         method, policy, width = parse_spec(spec)
-        if method != "ar" and engine.drafter is None:
-            raise UserError(f"policy {spec!r} needs a drafter (pass --drafter)")
+        check_drafter(engine, spec, method)
         res = measure_tax(engine, prompts, method, args.max_tokens, policy, width, args.repeats)
         report["results"].append({"policy": spec, **res})
         print(json.dumps({"policy": spec, **res["summary"]}))

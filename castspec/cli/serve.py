@@ -13,7 +13,8 @@ from .common import UserError, add_model_args, load_engine
 def scheduler_config(args):
     try:
         return SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefill_budget=args.prefill_budget,
-                               prefix_cache_mb=args.prefix_cache_mb, policy=args.policy, width=args.width, top_k_per_position=args.top_k_per_position)
+                               prefix_cache_mb=args.prefix_cache_mb, policy=args.policy, width=args.width,
+                               top_k_per_position=args.top_k_per_position)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -69,7 +70,7 @@ def add_scheduler_args(p) -> None:
 
 
 def add_prefix_cache_arg(p) -> None:
-    p.add_argument("--prefix-cache-mb", type=float, default=256.0,
+    p.add_argument("--prefix-cache-mb", type=float, default=SchedulerConfig.prefix_cache_mb,
                    help="MiB of prompt prefixes kept for later requests that start the same way (0: off)")
 
 
