@@ -303,7 +303,7 @@ def test_initialization_options_and_warm_start(tiny_data, tmp_path):
         torch.testing.assert_close(a[k], b[k])
     start = str(tmp_path / "a" / "drafter")
     with pytest.raises(TrainError, match="cannot warm-start"):  # other taps: fc does not fit
-        train(target, records, tmp_path / "c", tiny_config(steps=1, num_taps=3, init_from=start), ROPE,
+        train(target, records, tmp_path / "c", tiny_config(steps=1, tap_layers=[0, 2], init_from=start), ROPE,
               progress=False)
     # another block size: the same weights (a block is the root and its mask rows, none has weights of its own)
     train(target, records, tmp_path / "k", tiny_config(steps=1, lr=0.0, block_size=5, init_from=start), ROPE,
@@ -331,6 +331,26 @@ def test_initialization_options_and_warm_start(tiny_data, tmp_path):
             torch.randn(1, C, len(old.cfg.target_layer_ids) * H, generator=gen), torch.arange(C)[None])
     with torch.inference_mode():
         torch.testing.assert_close(g(*args), old(*args))
+    # growing its taps: [1, 1] -> [0, 1, 2, 1]; the old taps keep their fc columns, the new ones start at zero,
+    # so the grown drafter fuses the same context rows from the wider features
+    train(target, records, tmp_path / "t", tiny_config(steps=1, lr=0.0, tap_layers=[0, 1, 2, 1], init_from=start),
+          ROPE, progress=False)
+    t = load_drafter(tmp_path / "t" / "drafter", target, dtype=torch.float32)
+    assert t.cfg.target_layer_ids == [0, 1, 2, 1]
+    for k in a:
+        if k != "fc.weight":
+            torch.testing.assert_close(a[k], t.state_dict()[k])
+    fc_old, fc_new = a["fc.weight"], t.fc.weight
+    torch.testing.assert_close(fc_new[:, H:2 * H], fc_old[:, :H])
+    torch.testing.assert_close(fc_new[:, 3 * H:], fc_old[:, H:])
+    assert not fc_new[:, :H].any() and not fc_new[:, 2 * H:3 * H].any()
+    wide = torch.randn(1, C, 4 * H, generator=gen)
+    narrow = torch.cat([wide[..., H:2 * H], wide[..., 3 * H:]], dim=-1)
+    with torch.inference_mode():
+        torch.testing.assert_close(t(args[0], args[1], wide, args[3]), old(args[0], args[1], narrow, args[3]))
+    with pytest.raises(TrainError, match="cannot warm-start"):  # [1, 1] is not a subsequence of [1, 0]
+        train(target, records, tmp_path / "u", tiny_config(steps=1, tap_layers=[1, 0], init_from=start), ROPE,
+              progress=False)
 
 
 def test_ngram_baselines_known_answer():

@@ -189,8 +189,8 @@ def register(sub) -> None:
     t.add_argument("--fc-init", choices=("plain", "scaled"), default="plain",
                    help="fc at start: isotropic (default) or its columns scaled to the tapped features' sizes")
     t.add_argument("--init-from", default=None,
-                   help="warm start from this drafter directory (same shapes; or fewer layers, which grows it: "
-                   "the new layers start adding nothing)")
+                   help="warm start from this drafter directory (same shapes; or fewer layers or taps, which grows "
+                   "it: the new layers and taps start adding nothing)")
     t.add_argument("--init-from-target", action="store_true",
                    help="start the drafter layers from the target's last layers")
     t.add_argument("--kl-weight", type=float, default=0.0, metavar="A",

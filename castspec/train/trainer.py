@@ -59,7 +59,7 @@ class TrainConfig:
     # final norm at start: "target" copies the target's final norm (the drafter's rows go through the target's
     # lm_head, like its last hidden states); "small" starts near-flat logits (slow: Adam grows it ~lr per step)
     norm_init: str = "target"
-    init_from: str | None = None  # warm start: an existing drafter directory with the same shapes
+    init_from: str | None = None  # warm start: an existing drafter directory (same shapes, or grown: warm_start)
     # fc at start: "scaled" divides each input column by the typical size of that tapped feature (measured on
     # a few training sequences), so the few huge dimensions of the target's hidden states do not drown the rest
     fc_init: str = "plain"
@@ -148,31 +148,55 @@ def scale_fc_init(target: Decoder, drafter: DFlashDrafter, records: list[dict], 
 
 def warm_start(drafter: DFlashDrafter, path: Path) -> None:
     """Copy the weights of an existing drafter with the same configuration (fine-tuning on new data), or with the
-    same but fewer layers (growing it): those become its first layers, and every new layer starts with its
-    attention and MLP output projections at zero, so that the grown drafter computes exactly what the old one did
-    (each new layer adds nothing to the residual stream) until training moves them. The block size may differ
-    too (no weight depends on it: a block is the root and L mask rows), which starts a drafter of another block
-    size from one trained on blocks of this one."""
+    same but fewer layers or fewer taps (growing it). Its layers become the first ones, and every new layer starts
+    with its attention and MLP output projections at zero (it adds nothing to the residual stream); its taps keep
+    their fc columns, and a new tap's columns start at zero (it adds nothing to the fused context row). So the
+    grown drafter computes exactly what the old one did until training moves those weights. The block size may
+    differ too (no weight depends on it: a block is the root and L mask rows), which starts a drafter of another
+    block size from one trained on blocks of this one."""
     try:
         other = DrafterConfig.from_json(json.loads((path / "config.json").read_text()))
         weights = load_file(path / "model.safetensors")
     except Exception as e:
         raise TrainError(f"cannot warm-start from {path}: {type(e).__name__}: {e}") from None
-    other = replace(other, block_size=drafter.cfg.block_size)
-    grows = (other.num_layers < drafter.cfg.num_layers
-             and replace(other, num_layers=drafter.cfg.num_layers).to_json() == drafter.cfg.to_json())
-    if other.to_json() != drafter.cfg.to_json() and not grows:
-        raise TrainError(f"cannot warm-start from {path}: its configuration differs from this run's"
-                         " (other than by having fewer layers or another block size)")
+    mine = drafter.cfg
+    other = replace(other, block_size=mine.block_size)
+    slots = tap_slots(other.target_layer_ids, mine.target_layer_ids)
+    same_rest = replace(other, num_layers=mine.num_layers,
+                        target_layer_ids=list(mine.target_layer_ids)).to_json() == mine.to_json()
+    if not (same_rest and other.num_layers <= mine.num_layers and slots is not None):
+        raise TrainError(f"cannot warm-start from {path}: its configuration differs from this run's (other than"
+                         " by having fewer layers, taps that are a subsequence of this run's, or another block size)")
+    H = mine.hidden_size
+    fc = weights["fc.weight"].float()
+    grown_fc = fc.new_zeros(fc.shape[0], len(mine.target_layer_ids) * H)
+    for i, j in enumerate(slots):
+        grown_fc[:, j * H:(j + 1) * H] = fc[:, i * H:(i + 1) * H]
+    weights = {**weights, "fc.weight": grown_fc}
+    grows = other.num_layers < mine.num_layers
     with torch.no_grad():
         missing, unexpected = drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=not grows)
-        new = tuple(f"layers.{i}." for i in range(other.num_layers, drafter.cfg.num_layers))
+        new = tuple(f"layers.{i}." for i in range(other.num_layers, mine.num_layers))
         if unexpected or not all(k.startswith(new) for k in missing):
             raise TrainError(f"cannot warm-start from {path}: weights missing or unexpected "
                              f"({[k for k in missing if not k.startswith(new)][:3]}, {unexpected[:3]})")
         for layer in drafter.layers[other.num_layers:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
+
+
+def tap_slots(old: list[int], new: list[int]) -> list[int] | None:
+    """Where each of `old`'s taps sits in `new` (the first match in order), or None when `old` is not a
+    subsequence of `new` (its fc columns would not line up with the features they were trained on)."""
+    slots, j = [], 0
+    for tap in old:
+        while j < len(new) and new[j] != tap:
+            j += 1
+        if j == len(new):
+            return None
+        slots.append(j)
+        j += 1
+    return slots
 
 
 def draft_vocab_of(path: Path, vocab_size: int) -> torch.Tensor:
