@@ -1,7 +1,8 @@
 """`castspec serve-ray`: a local Ray cluster (started by the command, 2 CPUs, small object store, no dashboard,
 listening on loopback only) with 2 engine replicas of a tiny random target + drafter, against single-process
 `castspec serve` on the same models: answers, errors, both replicas used, metrics over replicas, a replica killed
-under load; autoscaling from 1 to 2 replicas under load; the deployment options (CPUs, GPUs, autoscaling)."""
+under load; prefix routing (a conversation's next turn on its first turn's replica); autoscaling from 1 to 2
+replicas under load; the deployment options (CPUs, GPUs, autoscaling)."""
 import asyncio
 import ipaddress
 import json
@@ -24,8 +25,8 @@ from castspec.cli.serve_ray import RAY_CLUSTER_MODE  # noqa: E402
 from castspec.models.load import save_drafter  # noqa: E402
 from castspec.serving.frontend import ServerConfig  # noqa: E402
 from castspec.serving.live import LiveServer, free_port  # noqa: E402
-from castspec.serving.ray_serve import (EngineReplica, ReplicaOptions, ScaleConfig, commits,  # noqa: E402
-                                        engine_options, merge_snapshots)
+from castspec.serving.ray_serve import (EngineReplica, ReplicaOptions, RoutingKey, ScaleConfig,  # noqa: E402
+                                        commits, engine_options, merge_snapshots)
 from castspec.serving.scheduler import SchedulerConfig  # noqa: E402
 from castspec.serving.server import create_app  # noqa: E402
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer  # noqa: E402
@@ -165,6 +166,26 @@ FAST_METRICS = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
                 "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
 
 
+def test_with_prefix_routing_a_conversations_next_turn_goes_to_the_replica_that_holds_its_first(models):
+    """Prefix routing: each second turn lands where its first turn ran, and copies it from that replica's prefix
+    cache (usage's cached tokens), though the first turns were spread over both replicas."""
+    first_replicas = set()
+    with serve_ray(models, ["--replicas", "2", "--routing", "prefix"]) as (url, _), \
+            httpx.Client(base_url=url, timeout=120) as client:
+        wait_for(lambda: live_replicas(url), 120, "2 replicas reporting")
+        for i in range(6):
+            messages = [{"role": "user", "content": f"w{3 + i} w{9 + i % 4} w{5 + i % 3} w{i % 7}"}]
+            one = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0})
+            assert one.status_code == 200, one.text
+            messages += [{"role": "assistant", "content": answer(one.json())}, {"role": "user", "content": "w2 w3"}]
+            two = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0})
+            assert two.status_code == 200, two.text
+            assert two.headers["x-castspec-replica"] == one.headers["x-castspec-replica"]
+            assert two.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= one.json()["usage"]["prompt_tokens"]
+            first_replicas.add(one.headers["x-castspec-replica"])
+    assert len(first_replicas) == 2
+
+
 def test_autoscaling_goes_from_1_to_2_replicas_under_load_and_no_further(models):
     """Its own serve-ray (before the module's 2-replica one starts, in file order): min 1, max 2, a target of 1
     ongoing request per replica and half a CPU each, so that the cluster's 2 CPUs could hold 4 replicas and only
@@ -253,6 +274,33 @@ def test_32_concurrent_requests_equal_single_process_serve_on_both_replicas(ray_
 
     for s, full in zip(asyncio.run(streams()), ray_answers[:6]):
         assert s["done"] and s["error"] is None and s["text"] == answer(full.json())
+
+
+def test_routing_keys_extend_as_a_conversation_does_and_routing_reaches_the_deployment():
+    turn1 = [{"role": "user", "content": "hi"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    key1, key2 = (RoutingKey.of("/v1/chat/completions", json.dumps({"messages": m}).encode()) for m in (turn1, turn2))
+    assert key2.prompt.startswith(key1.prompt) and len(key2.prompt) > len(key1.prompt)
+    ids = [RoutingKey.of("/v1/completions", json.dumps({"prompt": p}).encode()).prompt for p in ([3, 4], [3, 4, 5])]
+    assert ids[1].startswith(ids[0]) and not RoutingKey.of("/v1/completions", b'{"prompt": [3, 45]}').prompt.startswith(ids[0])
+    assert RoutingKey.of("/v1/completions", json.dumps({"prompt": "ab"}).encode()).prompt == "ab"
+    # what every chat request has (roles, JSON) is not in the text: two chats share only their contents' start
+    other = RoutingKey.of("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "ho"}]}).encode())
+    assert os.path.commonprefix([key1.prompt, other.prompt]) == "h"
+    for body in (b"", b"{not json", b"[1]", b'{"prompt": ""}', b'{"prompt": 7}'):  # the replica answers 400
+        assert RoutingKey.of("/v1/completions", body).prompt == "/v1/completions"
+    assert RoutingKey.of("/v1/models", b"").prompt == "/v1/models"
+
+    def router(**scale):
+        opts = engine_options(ReplicaOptions(), ScaleConfig(**scale))
+        return opts.get("request_router_config")
+
+    config = router(routing="prefix")
+    assert config.request_router_class.endswith("PrefixCacheAffinityRouter")
+    assert config.request_router_kwargs["imbalanced_threshold"] == SchedulerConfig().max_batch
+    assert router(routing="balance") is None and router(routing="prefix") == config  # Serve's default
+    with pytest.raises(ValueError, match="unknown routing"):
+        ScaleConfig(routing="nearest")
 
 
 def test_metrics_and_health_cover_both_replicas(ray_app):
@@ -389,7 +437,7 @@ def test_serve_ray_bad_options_exit_2_before_starting_ray(capsys, monkeypatch):
     for args, needle in [(["--replicas", "0"], "replicas"), (["--min-replicas", "1"], "--max-replicas"),
                          (["--min-replicas", "3", "--max-replicas", "2"], "min-replicas"),
                          (["--min-replicas", "1", "--max-replicas", "2", "--upscale-delay", "-1"], "delays"),
-                         (["--method", "beam"], "unknown method"), (["--port", "0"], "--port"),
+                         (["--method", "beam"], "unknown method"), (["--routing", "nearest"], "unknown routing"), (["--port", "0"], "--port"),
                          (["--device", "cuda", "--gpus-per-replica", "0"], "--gpus-per-replica > 0"),
                          (["--device", "cuda:1", "--gpus-per-replica", "1"], "numbered from 0")]:
         assert main(["serve-ray"] + args) == 2

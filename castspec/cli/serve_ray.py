@@ -34,7 +34,7 @@ def cmd_serve_ray(args) -> int:
             target_ongoing_requests=args.target_ongoing_requests, upscale_delay_s=args.upscale_delay,
             downscale_delay_s=args.downscale_delay, cpus_per_replica=args.cpus_per_replica,
             gpus_per_replica=args.gpus_per_replica, attempts=args.attempts,
-            router_queue=args.max_queue if args.router_queue is None else args.router_queue)
+            router_queue=args.max_queue if args.router_queue is None else args.router_queue, routing=args.routing)
         options = ray_serve.ReplicaOptions(target=args.target, drafter=args.drafter, device=args.device,
                                            dtype=args.dtype, method=args.method, scheduler=sched, server=server_cfg,
                                            threads=max(1, int(args.cpus_per_replica)))
@@ -97,6 +97,9 @@ def register(sub) -> None:
                    help="replicas a request may be tried on when one dies before it streamed a token")
     p.add_argument("--router-queue", type=int, default=None,
                    help="requests Serve's router holds while every replica is full, then 429 (default --max-queue)")
+    p.add_argument("--routing", default="balance", help="balance: Serve's power of two choices; prefix: a request "
+                   "goes to the replica that served the longest start of its prompt (whose prefix cache holds it) "
+                   "unless loads differ by more than a batch")
     p.add_argument("--ray-address", default=None, help="a running cluster (default RAY_ADDRESS, else a local one)")
     p.add_argument("--local-cpus", type=int, default=None, help="CPUs of a local cluster (default all)")
     p.add_argument("--object-store-mb", type=int, default=None, help="object store of a local cluster (MiB)")

@@ -9,6 +9,9 @@ Three deployments make the application:
   DeploymentHandle. It holds back what a replica sends until the first event that carries a token (or the end):
   if the replica's process dies before that, nothing was streamed and the request is retried on another replica;
   after that, the stream gets an error event and ends. Serve's controller restarts the dead replica.
+  Serve's router balances load (power of two choices), or with `--routing prefix` sends a request to the replica
+  that served the longest start of its prompt (Ray's PrefixCacheAffinityRouter), so that a conversation's next
+  turn finds its earlier turns in that replica's prefix cache, balancing only where loads differ by a batch.
 - `Board`: each replica reports its metrics snapshot every REPORT_PERIOD_S; the ingress's /metrics and /health
   add them up over all replicas.
 
@@ -31,7 +34,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+try:
+    from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+except ImportError:  # that package imports ray[llm]'s extras (pyarrow), the router itself needs none (ray is pinned)
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 
 from ..engine import load
 from .frontend import ServerConfig
@@ -50,6 +59,7 @@ REPLICA_HEADER = "x-castspec-replica"
 ATTEMPTS_HEADER = "x-castspec-attempts"
 # the replica died, or Serve could not reach it: nothing of the request's answer exists anywhere any more
 REPLICA_LOST = (RayActorError, ReplicaUnavailableError)
+ROUTINGS = ("prefix", "balance")
 
 
 @dataclass
@@ -80,6 +90,10 @@ class ScaleConfig:
     gpus_per_replica: float | None = None  # None: one per replica on CUDA, none on the CPU (replica_gpus)
     attempts: int = 4  # replicas a request may be tried on before the ingress answers 503
     router_queue: int = 64  # requests waiting in Serve's router for a free replica slot, beyond that 429
+    # "balance": Serve's power of two choices; "prefix": to the replica that served the longest start of the prompt
+    # (its prefix cache holds it) while the replicas' ongoing requests differ by at most one batch. Not the default:
+    # Serve's router learns replicas' loads late, and a burst piles up on one replica more often than it does now
+    routing: str = "balance"
 
     def __post_init__(self):
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -92,6 +106,8 @@ class ScaleConfig:
             raise ValueError("the target of ongoing requests must be > 0 and the router queue >= 0")
         if any(d is not None and d < 0 for d in (self.upscale_delay_s, self.downscale_delay_s)):
             raise ValueError("the upscale and downscale delays must be >= 0 seconds")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r} (choose from {', '.join(ROUTINGS)})")
 
     @property
     def autoscaling(self) -> bool:
@@ -133,7 +149,45 @@ def engine_options(options: ReplicaOptions, scale: ScaleConfig) -> dict:
         out["autoscaling_config"] = auto
     else:
         out["num_replicas"] = scale.replicas
+    if scale.routing == "prefix":
+        # the router keeps a tree of the prompts it routed (evicted past its default size) and matches each new
+        # one against it; imbalanced_threshold is in ongoing requests per replica
+        out["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixCacheAffinityRouter,
+            request_router_kwargs={"imbalanced_threshold": sched.max_batch, "do_eviction": True})
     return out
+
+
+@dataclass(frozen=True)
+class RoutingKey:
+    """The text Ray's PrefixCacheAffinityRouter matches (it reads a `prompt` attribute from a call's arguments,
+    and sends a request to the replica that served the longest start of it). Built so that a request that extends
+    another's prompt extends its text: a conversation's messages each end with a record separator (the next turn
+    starts with the turn before), token ids each end with a space ("3 4 " starts "3 4 5 ", not "3 45 "). No JSON
+    around them: text every request shares would count as a match."""
+
+    prompt: str
+
+    @classmethod
+    def of(cls, path: str, body: bytes) -> "RoutingKey":
+        try:
+            obj = json.loads(body) if body else None
+        except ValueError:  # the replica answers 400 for it; any replica will do
+            obj = None
+        text = ""
+        if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            text = "".join(_text(m.get("content") if isinstance(m, dict) else m) + "\x1e" for m in obj["messages"])
+        elif isinstance(obj, dict):
+            prompt = obj.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                prompt = prompt[0]  # a batch of prompts: the first
+            text = prompt if isinstance(prompt, str) else (
+                "".join(f"{t} " for t in prompt) if isinstance(prompt, list) else "")
+        return cls(text or path)
+
+
+def _text(content) -> str:
+    return content if isinstance(content, str) else json.dumps(content)
 
 
 def commits(event: str) -> bool:
@@ -195,9 +249,11 @@ class EngineReplica:
         if not self.server.thread.is_alive():
             raise RuntimeError("the replica's HTTP server stopped")
 
-    async def forward(self, method: str, path: str, query: str, body: bytes, content_type: str | None):
+    async def forward(self, method: str, path: str, query: str, body: bytes, content_type: str | None,
+                      key: RoutingKey | None = None):
         """Run one HTTP request through this replica's app. Yields the head {status, content_type, replica},
-        then (bytes, commits) pieces: SSE events one by one, any other body whole at the end."""
+        then (bytes, commits) pieces: SSE events one by one, any other body whole at the end. (`key` is for
+        Serve's router, which chose this replica by it.)"""
         if self.client is None:
             self.client = httpx.AsyncClient(base_url=self.url, timeout=None)
         headers = {"content-type": content_type} if content_type else {}
@@ -326,7 +382,8 @@ class Ingress:
             body = await read_body(request, self.max_body_bytes)
         except ApiError as e:
             return error_response(e.status, e.message, e.kind)
-        args = (request.method, request.url.path, request.url.query, body, request.headers.get("content-type"))
+        args = (request.method, request.url.path, request.url.query, body, request.headers.get("content-type"),
+                RoutingKey.of(request.url.path, body))
         last = "no replica answered"
         for attempt in range(1, self.scale.attempts + 1):
             stream = self.engine.options(stream=True).forward.remote(*args)
