@@ -158,17 +158,25 @@ def cmd_conversations(args, out: Path) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     conversations = [(p.earlier_turns[0], p.text) for p in mtbench_second_turns(count)]
-    engine = load_engine(args)
     results = []
-    for spec, (method, policy, width) in parsed.items():
-        check_drafter(engine, spec, method)
+
+    def level(spec: str, B: int, url: str) -> None:
+        res = asyncio.run(run_conversations(url, conversations, B, args.max_tokens, args.time_limit))
+        results.append({"policy": spec, "concurrency": B, **res})
+        print(json.dumps({"policy": spec, "concurrency": B,
+                          **{t: {k: res[t][k] for k in ("p50_ttft_s", "prompt_tokens", "cached_tokens")}
+                             for t in ("turn1", "turn2")}}))
+
+    if args.url:  # a running server (castspec serve or serve-ray) with its own options
         for B in levels:
-            with level_server(engine, args, method, policy, width, B) as url:
-                res = asyncio.run(run_conversations(url, conversations, B, args.max_tokens, args.time_limit))
-            results.append({"policy": spec, "concurrency": B, **res})
-            print(json.dumps({"policy": spec, "concurrency": B,
-                              **{t: {k: res[t][k] for k in ("p50_ttft_s", "prompt_tokens", "cached_tokens")}
-                                 for t in ("turn1", "turn2")}}))
+            level("external", B, args.url)
+    else:
+        engine = load_engine(args)
+        for spec, (method, policy, width) in parsed.items():
+            check_drafter(engine, spec, method)
+            for B in levels:
+                with level_server(engine, args, method, policy, width, B) as url:
+                    level(spec, B, url)
     report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
     (out / "conversations.json").write_text(json.dumps(report, indent=2))
     return 0
