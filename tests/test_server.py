@@ -249,16 +249,22 @@ def test_two_turn_chats_copy_the_first_turn_when_the_prefix_cache_is_on(engine):
         assert (second["cached_tokens"] >= first["prompt_tokens"]) if copied else second["cached_tokens"] == 0
 
 
-def test_the_conversations_load_test_loads_a_running_server_by_url(engine, tmp_path):
-    """`castspec loadtest --conversations --url`: MT-Bench's two-turn chats against a server it did not start."""
+def test_the_load_tests_load_a_running_server_by_url(engine, tmp_path):
+    """`castspec loadtest --url` and `--conversations --url`: a server they did not start, at two levels."""
     from castspec.cli import main
 
+    common = ["--url", None, "--requests", "2", "--concurrency", "1,2", "--max-tokens", "3", "--out", str(tmp_path)]
     with LiveServer(make_app(engine, max_batch=2)) as url:
-        assert main(["loadtest", "--conversations", "--url", url, "--requests", "2", "--concurrency", "1",
-                     "--max-tokens", "3", "--out", str(tmp_path)]) == 0
-    (res,) = json.loads((tmp_path / "conversations.json").read_text())["results"]
-    assert res["policy"] == "external" and res["turn1"]["ok"] == res["turn2"]["ok"] == 2
-    assert res["turn2"]["cached_tokens"] >= res["turn1"]["prompt_tokens"]
+        common[1] = url
+        assert main(["loadtest", "--conversations"] + common) == 0
+        assert main(["loadtest"] + common) == 0
+    chats = json.loads((tmp_path / "conversations.json").read_text())["results"]
+    assert [(r["policy"], r["concurrency"]) for r in chats] == [("external", 1), ("external", 2)]
+    for res in chats:
+        assert res["turn1"]["ok"] == res["turn2"]["ok"] == 2
+        assert res["turn2"]["cached_tokens"] >= res["turn1"]["prompt_tokens"]
+    loads = json.loads((tmp_path / "loadtest.json").read_text())["results"]
+    assert [(r["policy"], r["concurrency"], r["ok"]) for r in loads] == [("external", 1, 2), ("external", 2, 2)]
 
 
 def test_the_mailbox_wakes_the_loop_once_per_burst_and_keeps_each_queue_in_order():

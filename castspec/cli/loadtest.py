@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from ..allocate import PolicySpec
@@ -86,6 +87,21 @@ def level_server(engine, args, method: str, policy: str, width: int, B: int) -> 
     return LiveServer(create_app(engine, engine.scheduler(cfg, method), ServerConfig()))
 
 
+def each_level(args, parsed: dict, levels: list[int], level: Callable[[str, int, str], None]) -> None:
+    """level(policy, B, url) for every level: against the server at --url ("external": it has its own options),
+    else against an in-process server made for each policy and concurrency."""
+    if args.url:
+        for B in levels:
+            level("external", B, args.url)
+        return
+    engine = load_engine(args)
+    for spec, (method, policy, width) in parsed.items():
+        check_drafter(engine, spec, method)
+        for B in levels:
+            with level_server(engine, args, method, policy, width, B) as url:
+                level(spec, B, url)
+
+
 def cmd_loadtest(args) -> int:
     try:
         if args.url:
@@ -116,24 +132,15 @@ def cmd_loadtest(args) -> int:
     if min(levels) < 1 or args.requests < 1 or args.max_tokens < 1 or (args.rate is not None and args.rate <= 0):
         raise UserError("concurrency, --requests and --max-tokens must be >= 1 and --rate > 0")
     results = []
-    if args.url:
-        for B in levels:
-            res = asyncio.run(run_load(args.url, messages, B, max(args.requests, B), args.max_tokens, args.rate,
-                                       args.time_limit))
-            results.append({"policy": "external", "concurrency": B, **res})
-            print(json.dumps(results[-1]))
-    else:
-        engine = load_engine(args)
-        for spec, (method, policy, width) in parsed.items():
-            check_drafter(engine, spec, method)
-            for B in levels:
-                with level_server(engine, args, method, policy, width, B) as url:
-                    res = asyncio.run(run_load(url, messages, B, max(args.requests, B), args.max_tokens, args.rate,
-                                               args.time_limit))
-                results.append({"policy": spec, "concurrency": B, **res})
-                print(json.dumps({k: results[-1][k] for k in ("policy", "concurrency", "ok", "goodput_tokens_per_s",
-                                                              "p50_latency_s", "p99_latency_s",
-                                                              "mean_committed_per_round")}))
+
+    def level(spec: str, B: int, url: str) -> None:
+        res = asyncio.run(run_load(url, messages, B, max(args.requests, B), args.max_tokens, args.rate,
+                                   args.time_limit))
+        results.append({"policy": spec, "concurrency": B, **res})
+        print(json.dumps({k: results[-1][k] for k in ("policy", "concurrency", "ok", "goodput_tokens_per_s",
+                                                      "p50_latency_s", "p99_latency_s", "mean_committed_per_round")}))
+
+    each_level(args, parsed, levels, level)
     report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results,
               "summary": summarize(results)}
     (out / "loadtest.json").write_text(json.dumps(report, indent=2))
@@ -167,16 +174,7 @@ def cmd_conversations(args, out: Path) -> int:
                           **{t: {k: res[t][k] for k in ("p50_ttft_s", "prompt_tokens", "cached_tokens")}
                              for t in ("turn1", "turn2")}}))
 
-    if args.url:  # a running server (castspec serve or serve-ray) with its own options
-        for B in levels:
-            level("external", B, args.url)
-    else:
-        engine = load_engine(args)
-        for spec, (method, policy, width) in parsed.items():
-            check_drafter(engine, spec, method)
-            for B in levels:
-                with level_server(engine, args, method, policy, width, B) as url:
-                    level(spec, B, url)
+    each_level(args, parsed, levels, level)
     report = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
     (out / "conversations.json").write_text(json.dumps(report, indent=2))
     return 0
