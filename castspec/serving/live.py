@@ -25,12 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# how long a LiveServer keeps an idle connection open; a client that reuses connections must give them up
+# sooner, or it may send a request on one the server is closing at that moment and read nothing back
+KEEP_ALIVE_S = 5  # seconds: uvicorn's default, set here so that clients of a LiveServer (Ray replicas) stay under it
+
+
 class LiveServer:
     """Serve an ASGI app with uvicorn on a free loopback port in a background thread."""
 
     def __init__(self, app):
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
+                                                    timeout_keep_alive=KEEP_ALIVE_S))
         self.thread = threading.Thread(target=self.server.run, name="castspec-live-server", daemon=True)
 
     def __enter__(self) -> str:

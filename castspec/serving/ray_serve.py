@@ -44,7 +44,7 @@ except ImportError:  # that package imports ray[llm]'s extras (pyarrow), the rou
 
 from ..engine import load
 from .frontend import ServerConfig
-from .live import LOOPBACK, LiveServer
+from .live import KEEP_ALIVE_S, LOOPBACK, LiveServer
 from .metrics import prometheus
 from .protocol import ApiError, error_response
 from .scheduler import SchedulerConfig
@@ -255,7 +255,8 @@ class EngineReplica:
         then (bytes, commits) pieces: SSE events one by one, any other body whole at the end. (`key` is for
         Serve's router, which chose this replica by it.)"""
         if self.client is None:
-            self.client = httpx.AsyncClient(base_url=self.url, timeout=None)
+            self.client = httpx.AsyncClient(base_url=self.url, timeout=None,
+                                            limits=httpx.Limits(keepalive_expiry=KEEP_ALIVE_S / 2))
         headers = {"content-type": content_type} if content_type else {}
         async with self.client.stream(method, path, params=query or None, content=body, headers=headers) as r:
             kind = r.headers.get("content-type", "")
