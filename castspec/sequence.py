@@ -143,7 +143,6 @@ class Sequence:
         self.stop = set(cfg.stop_token_ids)
         self.new_logprobs: list[TokenLogprob] = []  # of the tokens the last round emitted (cfg.logprobs)
         self.output: list[int] = []  # the tokens emitted so far
-        self.emitted = 0
         self.done = cfg.max_new_tokens == 0
         self.finish_reason: str | None = "length" if self.done else None  # "stop" | "length" once done
 
@@ -159,6 +158,10 @@ class Sequence:
     def reading_prompt(self) -> bool:
         """Still prefilling: its next rows are a prompt chunk (the root comes with the prompt's last one)."""
         return self.root is None and not self.done
+
+    @property
+    def emitted(self) -> int:
+        return len(self.output)
 
     @property
     def remaining(self) -> int:
@@ -273,5 +276,4 @@ class Sequence:
                                                  processed), tok, self.cfg.logprobs) for j, tok in enumerate(new)]
         self.history.extend(new)
         self.output.extend(new)
-        self.emitted += len(new)
         return new

@@ -73,6 +73,19 @@ def cmd_soak(args, messages: list[list[dict]], out: Path) -> int:
     return 0
 
 
+def levels_and_policies(args, levels: str, policies: str) -> tuple[list[int], dict[str, tuple[str, str, int]]]:
+    """--concurrency and --policies (`levels` and `policies` where not given): the client counts, and each
+    policy spec with its (method, policy, width)."""
+    try:
+        counts = [int(x) for x in (args.concurrency or levels).split(",")]
+    except ValueError:
+        raise UserError("--concurrency is a comma list of integers") from None
+    try:
+        return counts, {s: parse_spec(s) for s in (x.strip() for x in (args.policies or policies).split(",")) if s}
+    except ValueError as e:  # PolicySpec's message names the spec
+        raise UserError(str(e)) from None
+
+
 def check_drafter(engine, spec: str, method: str) -> None:
     """A policy that drafts needs the engine's drafter: a one-line refusal before any level runs."""
     if method != "ar" and engine.drafter is None:
@@ -123,12 +136,7 @@ def cmd_loadtest(args) -> int:
     if args.conversations:
         return cmd_conversations(args, out)
     args.requests = args.requests or 16
-    try:
-        levels = [int(x) for x in (args.concurrency or "1,4,8,16").split(",")]
-        specs = [s.strip() for s in (args.policies or DEFAULT_POLICIES).split(",") if s.strip()]
-        parsed = {s: parse_spec(s) for s in specs}
-    except ValueError as e:
-        raise UserError(str(e) if "policy" in str(e) else "--concurrency is a comma list of integers") from None
+    levels, parsed = levels_and_policies(args, "1,4,8,16", DEFAULT_POLICIES)
     if min(levels) < 1 or args.requests < 1 or args.max_tokens < 1 or (args.rate is not None and args.rate <= 0):
         raise UserError("concurrency, --requests and --max-tokens must be >= 1 and --rate > 0")
     results = []
@@ -152,18 +160,10 @@ def cmd_loadtest(args) -> int:
 def cmd_conversations(args, out: Path) -> int:
     """--conversations: two-turn chats (MT-Bench's first and second questions, the server's own answer between
     them) at each concurrency; what the second turn's time to first token and prompt reading cost."""
-    try:
-        levels = [int(x) for x in (args.concurrency or "1,8").split(",")]
-    except ValueError:
-        raise UserError("--concurrency is a comma list of integers") from None
+    levels, parsed = levels_and_policies(args, "1,8", "ar")
     count = args.requests or 16
     if min(levels) < 1 or count < 1 or args.max_tokens < 1:
         raise UserError("concurrency, --requests and --max-tokens must be >= 1")
-    specs = [s.strip() for s in (args.policies or "ar").split(",") if s.strip()]
-    try:
-        parsed = {s: parse_spec(s) for s in specs}
-    except ValueError as e:
-        raise UserError(str(e)) from None
     conversations = [(p.earlier_turns[0], p.text) for p in mtbench_second_turns(count)]
     results = []
 

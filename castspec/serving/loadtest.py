@@ -32,6 +32,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def chat_body(messages: list[dict], max_tokens: int) -> dict:
+    """A load test's request: greedy, streamed, its usage in the last event, no thinking turn."""
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "chat_template_kwargs": {"enable_thinking": False}}
+
+
 async def one_request(client: httpx.AsyncClient, body: dict, keep_text: bool = False) -> dict:
     """One streamed chat request: latency, time to first token, tokens, the usage's prompt and cached prompt
     tokens; with `keep_text`, the answer's text too."""
@@ -72,10 +78,6 @@ async def run_conversations(url: str, conversations: list[tuple[str, str]], conc
     then the whole conversation with the second (the server's answer included), as a chat client does. Per
     turn: p50/p99 time to first token, the prompt tokens and those the server copied instead of reading them
     (castspec.prefix_cache)."""
-    def body(messages: list[dict]) -> dict:
-        return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, "chat_template_kwargs": {"enable_thinking": False}}
-
     turns: dict[int, list[dict]] = {1: [], 2: []}
     queue = list(reversed(conversations))
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
@@ -85,11 +87,11 @@ async def run_conversations(url: str, conversations: list[tuple[str, str]], conc
             while queue and time.perf_counter() - t0 < time_limit:
                 first, second = queue.pop()
                 chat = [{"role": "user", "content": first}]
-                one = await one_request(client, body(chat), keep_text=True)
+                one = await one_request(client, chat_body(chat, max_tokens), keep_text=True)
                 turns[1].append(one)
                 if one["error"] is None:
                     chat += [{"role": "assistant", "content": one["text"]}, {"role": "user", "content": second}]
-                    turns[2].append(await one_request(client, body(chat)))
+                    turns[2].append(await one_request(client, chat_body(chat, max_tokens)))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
@@ -116,9 +118,7 @@ def load_messages(per_domain: int) -> list[list[dict]]:
 async def run_load(url: str, messages: list[list[dict]], concurrency: int, requests: int, max_tokens: int,
                    rate: float | None = None, time_limit: float = 300.0, seed: int = 0) -> dict:
     """Send `requests` chat requests (cycling through `messages`); stop submitting after `time_limit` s."""
-    bodies = [{"messages": messages[i % len(messages)], "max_tokens": max_tokens, "temperature": 0,
-               "stream": True, "stream_options": {"include_usage": True},
-               "chat_template_kwargs": {"enable_thinking": False}} for i in range(requests)]
+    bodies = [chat_body(messages[i % len(messages)], max_tokens) for i in range(requests)]
     results: list[dict] = []
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
         before = (await client.get("/metrics", params={"format": "json"})).json()

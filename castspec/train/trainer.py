@@ -167,12 +167,12 @@ def warm_start(drafter: DFlashDrafter, path: Path) -> None:
     if not (same_rest and other.num_layers <= mine.num_layers and slots is not None):
         raise TrainError(f"cannot warm-start from {path}: its configuration differs from this run's (other than"
                          " by having fewer layers, taps that are a subsequence of this run's, or another block size)")
-    H = mine.hidden_size
-    fc = weights["fc.weight"].float()
-    grown_fc = fc.new_zeros(fc.shape[0], len(mine.target_layer_ids) * H)
-    for i, j in enumerate(slots):
-        grown_fc[:, j * H:(j + 1) * H] = fc[:, i * H:(i + 1) * H]
-    weights = {**weights, "fc.weight": grown_fc}
+    if "fc.weight" in weights:  # (without it, the load below names what is missing)
+        H, fc = mine.hidden_size, weights["fc.weight"].float()
+        grown_fc = fc.new_zeros(fc.shape[0], len(mine.target_layer_ids) * H)
+        for i, j in enumerate(slots):
+            grown_fc[:, j * H:(j + 1) * H] = fc[:, i * H:(i + 1) * H]
+        weights = {**weights, "fc.weight": grown_fc}
     grows = other.num_layers < mine.num_layers
     with torch.no_grad():
         missing, unexpected = drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=not grows)
