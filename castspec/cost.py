@@ -22,6 +22,8 @@ from typing import Callable
 
 import numpy as np
 
+from .tree import MassStop
+
 
 def extend_interp(x, xs: list, ys: list):
     """np.interp inside the probed points; past the last one, the last segment's slope goes on (never
@@ -348,6 +350,18 @@ def least_slopes(table: np.ndarray) -> np.ndarray:
     return out
 
 
+def best_prefix(scores: list[float], table: list[float], lam: float) -> int:
+    """How many of one request's best-first nodes (log masses `scores`) maximize their summed mass minus lam
+    times the verify cost table[n]: the first n of the largest value, as RoundWidth.allocate's argmax."""
+    best, best_value, gain = 0, -lam * table[0], 0.0
+    for n, score in enumerate(scores[:len(table) - 1], start=1):
+        gain += math.exp(score)
+        value = gain - lam * table[n]
+        if value > best_value:
+            best, best_value = n, value
+    return best
+
+
 def mean_prefix(prefixes: list[int]) -> int:
     """The batch's mean prefix length, rounded down (0 for none): which cost table a round reads."""
     return sum(prefixes) // len(prefixes) if prefixes else 0
@@ -367,15 +381,16 @@ class RoundWidth:
         self.calibration = calibration
         self.momentum = momentum
         self.lam = init_throughput
-        # (prefix bucket, batch size) -> verify table l, and the least average slope of l after each count
-        self._tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        # (prefix bucket, batch size) -> verify table l, the least average slope of l after each count, and l as a
+        # list (what one request's round reads: a few floats, where numpy's calls cost more than the arithmetic)
+        self._tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list[float]]] = {}
 
-    def _costs(self, prefix: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _costs(self, prefix: int, batch: int) -> tuple[np.ndarray, np.ndarray, list[float]]:
         bucket = int(2 ** round(math.log2(max(prefix, 16))))  # a few tables per run, not one per round
         if (bucket, batch) not in self._tables:
             # the draft is already paid when the round decides its width: only verify + host costs are marginal
             table = self.profile.verify_table(self.max_width * batch, bucket, batch)
-            self._tables[bucket, batch] = table, least_slopes(table)
+            self._tables[bucket, batch] = table, least_slopes(table), table.tolist()
         return self._tables[bucket, batch]
 
     def _table(self, prefix: int, batch: int) -> np.ndarray:
@@ -398,7 +413,7 @@ class RoundWidth:
         if lam is None or self.calibration is not None:
             return None
         slopes = self._costs(mean_prefix(prefixes), len(prefixes))[1]
-        return lambda taken, score: taken >= len(slopes) - 1 or math.exp(score) <= lam * slopes[taken]
+        return MassStop(len(slopes) - 1, lam * slopes)
 
     def choose(self, scores: list[float], depths: list[int], prefix: int) -> int:
         """Width for this round from its best-first node scores (log masses, descending)."""
@@ -411,6 +426,9 @@ class RoundWidth:
         `min_throughput`: a rate other rounds are known to reach (plain rounds without a draft): a node must pay
         for its cost at that rate too, or the round would do better without it."""
         B = len(scores)
+        lam = self._lambda(min_throughput)
+        if B == 1 and lam is not None and self.calibration is None:
+            return [best_prefix(scores[0][:self.max_width], self._costs(mean_prefix(prefixes), 1)[2], lam)]
         masses = []
         for sc, dp in zip(scores, depths):
             m = np.exp(np.asarray(sc, dtype=float))[:self.max_width]
@@ -418,7 +436,6 @@ class RoundWidth:
                 m = self.calibration.apply(dp[:len(m)], m)
             masses.append(m)
         table = self._table(mean_prefix(prefixes), B)
-        lam = self._lambda(min_throughput)
         if lam is None:
             merged = np.sort(np.concatenate(masses))[::-1] if masses else np.zeros(0)
             lam = float(np.max(throughput(merged, table[:len(merged) + 1], roots=B)))

@@ -32,15 +32,24 @@ class Pack:
         return torch.tensor([self.position_list], dtype=torch.long, device=self.device)
 
 
+def ancestor_cells(parents: list[int], offset: int = 0) -> tuple[list[int], list[int]]:
+    """The (row, column + offset) cells of the ancestor matrix that are set: row r marks r and its ancestors (row 0,
+    the root, itself). Parents come first, so each row's ancestors are its parent's plus itself."""
+    chains = [[offset]]
+    rows, cols = [0], [offset]
+    for i, p in enumerate(parents, start=1):
+        chain = [*chains[p + 1], offset + i]
+        chains.append(chain)
+        rows += [i] * len(chain)
+        cols += chain
+    return rows, cols
+
+
 def ancestor_matrix(parents: list[int]) -> np.ndarray:
-    """[N+1, N+1] bool: row r marks r and its ancestors (row of the root = itself). Parents come first,
-    so each row is its parent's row plus itself."""
+    """[N+1, N+1] bool: row r marks r and its ancestors (row of the root = itself)."""
     n = len(parents) + 1
     anc = np.zeros((n, n), dtype=bool)
-    anc[0, 0] = True
-    for i, p in enumerate(parents, start=1):
-        anc[i] = anc[p + 1]
-        anc[i, i] = True
+    anc[ancestor_cells(parents)] = True
     return anc
 
 
@@ -48,7 +57,8 @@ def pack_tree(tree: Tree, root: int, prefix_len: int, device) -> Pack:
     n = len(tree) + 1
     mask = None
     if n > 1:
-        full = np.ones((n, prefix_len + n), dtype=bool)
-        full[:, prefix_len:] = ancestor_matrix(tree.parents)
+        full = np.zeros((n, prefix_len + n), dtype=bool)
+        full[:, :prefix_len] = True  # every row sees the whole cached prefix
+        full[ancestor_cells(tree.parents, prefix_len)] = True  # one numpy call for the tree's cells
         mask = torch.from_numpy(full).to(device).view(1, 1, n, prefix_len + n)
     return Pack([root, *tree.tokens], [prefix_len, *(prefix_len + d for d in tree.depths)], mask, device)

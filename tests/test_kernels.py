@@ -305,34 +305,36 @@ def check_topk_rows():
     g = torch.Generator().manual_seed(1)
     rows = [torch.randn(R, V, generator=g) for R, V in [(7, 8192), (40, 515), (3, 17), (2, 16), (1, 5)]]
     special = torch.randn(4, 40, generator=g)
-    special[0, [3, 9, 30, 33]] = 7.0  # tied across the k-th place: the earlier columns
+    special[0, [3, 9, 30, 33]] = 7.0  # tied across the k-th place: the smaller token ids
     special[1, :] = -float("inf")
     special[2, :20] = -float("inf")  # fewer finite values than k
-    special[3, 18], special[3, 20] = -0.0, 0.0  # equal values: column order
+    special[3, 18], special[3, 20] = -0.0, 0.0  # equal values
     special[3, 1] = special[3, 39] = 50.0  # the tail after the vector lanes
-    for x in [*rows, special]:
-        for k in {1, 3, 9, min(x.shape[1], 40)} & set(range(1, x.shape[1] + 1)):
-            vals, cols = native.topk_rows(x, k)
-            want = [sorted(range(x.shape[1]), key=lambda c: (-float(row[c]), c))[:k] for row in x]
-            assert cols == want
-            assert vals == [[float(row[c]) for c in w] for row, w in zip(x, want)]
-    x = rows[0]
-    support = torch.randperm(49152, generator=g)[:x.shape[1]]
-    vals, ids = native.topk_rows(x, 9, support)
-    assert (vals, ids) == (x.topk(9).values.tolist(), support[x.topk(9).indices].tolist())
-    # what it does not take: a row with a NaN, other dtypes, a strided view, k past the row, a support of
-    # another length or dtype
-    nan = special.clone()
-    nan[2, 37] = float("nan")
-    assert native.topk_rows(nan, 3) is None and native.topk_rows(special.double(), 3) is None
+    ties = torch.randint(-6, 0, (5, 300), generator=g).float()  # many ties at every place
+    for x in [*rows, special, ties]:
+        for support in (None, torch.randperm(49152, generator=g)[:x.shape[1]]):
+            token = (lambda c: c) if support is None else (lambda c: int(support[c]))
+            for k in {1, 3, 9, min(x.shape[1], 40)} & set(range(1, x.shape[1] + 1)):
+                vals, toks = native.topk_rows(x, k, support)
+                want = [sorted(range(x.shape[1]), key=lambda c: (-float(row[c]), token(c)))[:k] for row in x]
+                assert toks.tolist() == [[token(c) for c in w] for w in want]
+                assert vals.tolist() == [[float(row[c]) for c in w] for row, w in zip(x, want)]
+    # what it does not take: a row with a NaN (in the vector lanes or the tail), other dtypes, a strided view, k
+    # past the row, a support of another length or dtype
+    x, support = rows[0], torch.randperm(49152, generator=g)[:rows[0].shape[1]]
+    for base, col in ((special, 5), (special, 37), (x, 5000)):  # filling the list, the tail, a full list
+        nan = base.clone()
+        nan[2, col] = float("nan")
+        assert native.topk_rows(nan, 3) is None
+    assert native.topk_rows(special.double(), 3) is None
     assert native.topk_rows(torch.randn(8, 64)[:, ::2], 3) is None and native.topk_rows(special, 41) is None
     assert native.topk_rows(x, 3, support[:-1]) is None and native.topk_rows(x, 3, support.int()) is None
 
 
-def test_topk_rows_is_a_stable_top_k(lib):
-    """The tree builder's native top-k (topk_rows) against a stable sort: the k largest values descending, equal
-    values in column order, rows of -inf, -0.0 beside 0.0, ties across the k-th place, a support's token ids, the
-    tails after the vector lanes, and None where it does not apply (a NaN: torch decides then)."""
+def test_topk_rows_is_a_top_k_in_one_total_order(lib):
+    """The tree builder's native top-k (topk_rows) against a sort: the k largest values descending, equal values
+    by token id (the column, or the support's id for it), rows of -inf, -0.0 beside 0.0, ties across the k-th
+    place, the tails after the vector lanes, and None where it does not apply (a NaN: torch decides then)."""
     check_topk_rows()
 
 

@@ -167,47 +167,149 @@ void argmax_rows(const float *logits, int R, int V, int64_t *out) {
     for (int r = 0; r < R; ++r) out[r] = first_argmax(logits + (int64_t)r * V, V);
 }
 
-/* Puts value x of column c into the list vals/cols (n entries, descending; equal values in column order, the
- * earlier column first), keeping at most k entries. */
-static void top_insert(float *vals, int64_t *cols, int *n, int k, float x, int64_t c) {
+/* Puts value x of token t into the list vals/toks (n entries, descending; equal values by token id, the smaller
+ * first), keeping at most k entries. */
+static void top_insert(float *vals, int64_t *toks, int *n, int k, float x, int64_t t) {
     int at = *n < k ? *n : k - 1;
-    while (at > 0 && vals[at - 1] < x) {
-        vals[at] = vals[at - 1], cols[at] = cols[at - 1];
+    while (at > 0 && (vals[at - 1] < x || (vals[at - 1] == x && toks[at - 1] > t))) {
+        vals[at] = vals[at - 1], toks[at] = toks[at - 1];
         --at;
     }
-    vals[at] = x, cols[at] = c;
+    vals[at] = x, toks[at] = t;
     if (*n < k) ++*n;
 }
 
-/* The k largest values of one row v[0, V) (k <= V), descending, and their columns (or support[column] where a
- * support is given); among equal values the earlier column comes first. One vector pass: a chunk of 16 is read
- * element by element only while the list is not full or where a lane beats its last value. Returns 1 if the
- * row holds a NaN (the caller then uses another top-k), else 0. */
-static int top_k_row(const float *v, int V, int k, const int64_t *support, float *vals, int64_t *cols) {
+/* Whether value x of token t enters a list of n of at most k entries. */
+static inline int top_admits(const float *vals, const int64_t *toks, int n, int k, float x, int64_t t) {
+    return n < k || x > vals[k - 1] || (x == vals[k - 1] && t < toks[k - 1]);
+}
+
+/* The k largest values of one row v[0, V) (k <= V), descending, and their tokens (the column, or
+ * support[column] where a support is given); among equal values the smaller token id comes first, so the list is
+ * the first k of one total order whatever columns the row has. One vector pass: a chunk of 16 is read element
+ * by element only while the list is not full or where a lane reaches its last value. Returns 1 if the row holds
+ * a NaN (the caller then uses another top-k), else 0. */
+static int top_k_row(const float *v, int V, int k, const int64_t *support, float *vals, int64_t *toks) {
     int n = 0, i = 0;
     for (; i + 16 <= V; i += 16) {
         const __m512 x = _mm512_loadu_ps(v + i);
-        if (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)) return 1;
-        __mmask16 in = n < k ? 0xFFFF : _mm512_cmp_ps_mask(x, _mm512_set1_ps(vals[k - 1]), _CMP_GT_OQ);
-        for (int l = 0; in; ++l, in >>= 1)
-            if ((in & 1) && (n < k || v[i + l] > vals[k - 1])) top_insert(vals, cols, &n, k, v[i + l], i + l);
+        /* lanes that may enter: all while the list fills, then those not below its last value; a NaN lane
+         * compares unordered, so it is read too */
+        __mmask16 in = n < k ? 0xFFFF : _mm512_cmp_ps_mask(x, _mm512_set1_ps(vals[k - 1]), _CMP_NLT_UQ);
+        for (int l = 0; in; ++l, in >>= 1) {
+            if (!(in & 1)) continue;
+            const float y = v[i + l];
+            if (y != y) return 1;
+            const int64_t t = support ? support[i + l] : i + l;
+            if (top_admits(vals, toks, n, k, y, t)) top_insert(vals, toks, &n, k, y, t);
+        }
     }
     for (; i < V; ++i) {
         if (v[i] != v[i]) return 1;
-        if (n < k || v[i] > vals[k - 1]) top_insert(vals, cols, &n, k, v[i], i);
+        const int64_t t = support ? support[i] : i;
+        if (top_admits(vals, toks, n, k, v[i], t)) top_insert(vals, toks, &n, k, v[i], t);
     }
-    if (support)
-        for (int j = 0; j < k; ++j) cols[j] = support[cols[j]];
     return 0;
 }
 
-/* top_k_row for each of R rows of x [R, V] (fp32, contiguous) into vals [R, k] and cols [R, k]: the tree
+/* top_k_row for each of R rows of x [R, V] (fp32, contiguous) into vals [R, k] and toks [R, k]: the tree
  * builder's candidates from a drafted block's log-probabilities (one row per drafted position), rows over the
  * threads when there are many (a batch's blocks). Returns 1 if some row holds a NaN, else 0. */
-int topk_rows(const float *x, int R, int V, int k, const int64_t *support, float *vals, int64_t *cols) {
+int topk_rows(const float *x, int R, int V, int k, const int64_t *support, float *vals, int64_t *toks) {
     int nan = 0;
     _Pragma("omp parallel for schedule(static) reduction(|:nan) if (R >= 32)")
     for (int r = 0; r < R; ++r)
-        nan |= top_k_row(x + (int64_t)r * V, V, k, support, vals + (int64_t)r * k, cols + (int64_t)r * k);
+        nan |= top_k_row(x + (int64_t)r * V, V, k, support, vals + (int64_t)r * k, toks + (int64_t)r * k);
     return nan;
+}
+
+/* A candidate of the best-first selection (castspec/tree.py build_forest): the string that extends node `parent`
+ * of request `req` by the token of rank `rank` at block position `depth`, with summed log-probability -neg. */
+typedef struct {
+    double neg;
+    int64_t order; /* when it was found: the last tie-break */
+    int32_t depth, req, parent, rank;
+} Candidate;
+
+/* The order of tree.py's heap entries (-score, depth, order): the best score, then the shallower, then the
+ * earlier found. */
+static int cand_before(const Candidate *a, const Candidate *b) {
+    if (a->neg != b->neg) return a->neg < b->neg;
+    if (a->depth != b->depth) return a->depth < b->depth;
+    return a->order < b->order;
+}
+
+typedef struct {
+    Candidate *at;
+    int64_t n, cap;
+} CandHeap;
+
+static int heap_push(CandHeap *h, Candidate c) {
+    if (h->n == h->cap) {
+        const int64_t cap = h->cap ? 2 * h->cap : 64;
+        Candidate *at = realloc(h->at, sizeof(Candidate) * cap);
+        if (!at) return 1;
+        h->at = at, h->cap = cap;
+    }
+    int64_t i = h->n++;
+    while (i > 0 && cand_before(&c, &h->at[(i - 1) / 2])) {
+        h->at[i] = h->at[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h->at[i] = c;
+    return 0;
+}
+
+static Candidate heap_pop(CandHeap *h) {
+    const Candidate top = h->at[0], last = h->at[--h->n];
+    int64_t i = 0;
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= h->n) break;
+        if (c + 1 < h->n && cand_before(&h->at[c + 1], &h->at[c])) ++c;
+        if (!cand_before(&h->at[c], &last)) break;
+        h->at[i] = h->at[c];
+        i = c;
+    }
+    if (h->n) h->at[i] = last;
+    return top;
+}
+
+/* tree.py's build_forest over tables already ranked (topk_rows): request r's block has depths[r] positions, its
+ * rows row0[r] .. of vals / toks [*, k] (descending, ties by token id). Takes at most `budget` nodes in all and
+ * caps[r] of request r, best first over every request, exactly in the order of the Python heap (the same double
+ * arithmetic on the scores); with limit >= 0 it stops before the (taken + 1)-th node once taken >= limit or the
+ * best remaining mass exp(score) <= stop_mass[taken] (RoundWidth.stop_rule). Writes each node's request, token,
+ * parent (that request's node index, -1 for the root's children), depth and score; returns how many, or -1 when
+ * memory runs out. */
+int forest_select(int R, const int32_t *depths, const int64_t *row0, int k, const float *vals, const int64_t *toks,
+                  const int32_t *caps, int64_t budget, int64_t limit, const double *stop_mass, int32_t *node_req,
+                  int64_t *node_tok, int32_t *node_parent, int32_t *node_depth, double *node_score) {
+    CandHeap h = {0};
+    int32_t *count = calloc(R > 0 ? R : 1, sizeof(int32_t));
+    int64_t order = 0, taken = 0;
+    int fail = count == NULL;
+    for (int r = 0; r < R && !fail; ++r)
+        if (depths[r] > 0 && caps[r] > 0)
+            fail = heap_push(&h, (Candidate){-(double)vals[row0[r] * k], order++, 1, r, -1, 0});
+    while (!fail && h.n && taken < budget) {
+        if (limit >= 0 && (taken >= limit || exp(-h.at[0].neg) <= stop_mass[taken])) break;
+        const Candidate c = heap_pop(&h);
+        if (c.neg == INFINITY) break; /* only strings of probability 0 are left */
+        if (count[c.req] >= caps[c.req]) continue;
+        const int32_t node = count[c.req]++;
+        const float *v = vals + (row0[c.req] + c.depth - 1) * k;
+        node_req[taken] = c.req, node_tok[taken] = toks[(row0[c.req] + c.depth - 1) * k + c.rank];
+        node_parent[taken] = c.parent, node_depth[taken] = c.depth, node_score[taken] = -c.neg;
+        ++taken;
+        const double base = -c.neg - (double)v[c.rank]; /* the parent's score, as the Python heap computes it */
+        if (c.rank + 1 < k)
+            fail = heap_push(&h, (Candidate){-(base + (double)v[c.rank + 1]), order++, c.depth, c.req, c.parent,
+                                             c.rank + 1});
+        if (!fail && c.depth < depths[c.req])
+            fail = heap_push(&h, (Candidate){-(-c.neg + (double)v[k]), order++, c.depth + 1, c.req, node, 0});
+    }
+    free(h.at);
+    free(count);
+    return fail ? -1 : (int)taken;
 }
