@@ -199,8 +199,8 @@ def lay_out(device: torch.device, seqs: list[Sequence], trees: list[Tree], prefi
     if not parts:
         return None
     taps = next((seqs[p.index].taps for p in parts if seqs[p.index].taps), ())
-    return Rows(ids=torch.tensor([ids], dtype=torch.long, device=device),
-                positions=torch.tensor([positions], dtype=torch.long, device=device),
+    ids_positions = torch.tensor([ids, positions], dtype=torch.long, device=device)  # one tensor made, not two
+    return Rows(ids=ids_positions[:1], positions=ids_positions[1:],
                 segments=segments,
                 # every row needs logits in pure verify rounds: skip the gather then
                 logit_rows=None if len(logit_rows) == row else torch.tensor(logit_rows, dtype=torch.long,

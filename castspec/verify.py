@@ -7,11 +7,12 @@ from .sampling import draft_proposal
 from .tree import Tree
 
 
-def children_by_token(tree: Tree) -> list[dict[int, int]]:
-    """For each pack row (0 = root), its children's rows keyed by token."""
-    kids: list[dict[int, int]] = [{} for _ in range(len(tree) + 1)]
-    for i, (tok, par) in enumerate(zip(tree.tokens, tree.parents), start=1):
-        kids[par + 1].setdefault(tok, i)
+def child_rows(tree: Tree) -> dict[tuple[int, int], int]:
+    """(pack row, token) -> the row of that row's child with that token (0 = root; node i sits at row i + 1): one
+    dict for the whole tree, where a walk looks up one child per accepted row."""
+    kids: dict[tuple[int, int], int] = {}
+    for i, key in enumerate(zip((p + 1 for p in tree.parents), tree.tokens), start=1):
+        kids.setdefault(key, i)
     return kids
 
 
@@ -22,13 +23,13 @@ def walk(tree: Tree, pick) -> tuple[list[int], int]:
     `path_tokens`: the plain argmax, the argmax after penalties, or a seed-coupled draw (castspec.sampling).
     Returns (accepted pack rows in order, the target's token after the last accepted row: the next root).
     """
-    kids = children_by_token(tree)
+    kids = child_rows(tree)
     path: list[int] = []
     tokens: list[int] = []
     row = 0
     while True:
         tok = pick(row, tokens)
-        nxt = kids[row].get(tok)
+        nxt = kids.get((row, tok))
         if nxt is None:
             return path, tok
         path.append(nxt)
