@@ -108,12 +108,7 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
         target.embed(torch.tensor([block_ids], device=device)), torch.tensor([block_pos], device=device),
         feats[0] if len(feats) == 1 else torch.cat(feats, dim=1),
         torch.tensor([ctx_pos], dtype=torch.long, device=device), segments)
-    hidden = hidden.view(len(states), L + 1, -1)
-    if all(d == L for d in depths):  # every block drafts all its positions: its rows after the root, as they lie
-        rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
-    else:
-        rows = torch.cat([hidden[i, 1:d + 1] for i, d in enumerate(depths)])  # one lm_head GEMM for all
-    return drafter.marginals(rows, target).split(depths)
+    return drafter.block_marginals(hidden[0], depths, target)  # one head product for all blocks
 
 
 class Sequence:

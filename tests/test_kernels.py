@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from castspec import env
 from castspec.native import abi
 from castspec.native import build as native
-from castspec.native.linear import PanelPack, WeightPack, linear, packing_available, panel_linear
+from castspec.native.linear import PanelPack, WeightPack, linear, packing_available, panel_linear, panel_logprobs
 from castspec.native.pack import pack_panels, packable
 from native_support import mode as native_mode
 from native_support import native_library
@@ -148,6 +148,28 @@ def test_panel_linear_takes_any_row_count(lib, dtype):
                                    atol=1e-4, check_dtype=False)
     with torch.enable_grad():
         assert panel_linear(x, w, pack) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_logprobs_is_the_heads_log_softmax_of_chosen_rows(lib, dtype):
+    """panel_logprobs (a drafter pass's head and normalization in one native call): log_softmax of the chosen
+    rows' product, as torch computes it from panel_linear's sums, for row sets that skip rows (each block's root),
+    repeat or reorder them, draft vocabularies that are not a multiple of 16 wide; bad rows are an error."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(8195, 64, generator=g).to(dtype) / 4
+    pack = PanelPack()
+    hidden = torch.randn(24, 64, generator=g)
+    for rows in ([1, 2, 3, 4, 5, 6, 7], [1, 2, 9, 10, 11, 17], [23], [5, 5, 0], list(range(24))):
+        with torch.inference_mode():
+            got = panel_logprobs(hidden, rows, w, pack)
+            want = torch.log_softmax(panel_linear(hidden[rows], w, pack), dim=-1)
+        assert got.shape == (len(rows), 8195)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    with torch.inference_mode(), pytest.raises(ValueError, match="rows 0..24"):
+        panel_logprobs(hidden, [0, 24], w, pack)
+    with torch.enable_grad():
+        assert panel_logprobs(hidden, [1], w, pack) is None
 
 
 def test_packing_refuses_what_gemm_cannot_multiply():

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..config import DrafterConfig
 from ..native.dispatch import NativeSwitch
-from ..native.linear import PanelPack, WeightPack, linear, panel_linear
+from ..native.linear import PanelPack, WeightPack, linear, panel_linear, panel_logprobs
 from ..tree import Marginals
 from .kvcache import KVCache
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
@@ -107,6 +107,18 @@ class DFlashDrafter(nn.Module):
             scores = linear(rows, head, None, self._sub_pack)
         sub = torch.log_softmax(scores.float(), dim=-1)
         return Marginals(sub, self.draft_vocab, target.head_weight.shape[0])
+
+    def block_marginals(self, hidden: torch.Tensor, depths: list[int], target) -> list[Marginals]:
+        """Per-request marginals of a pass over len(depths) blocks: hidden [blocks * (L + 1), H] holds each block's
+        final-normed rows, its root's first; request i drafts its first depths[i] rows after the root. With a draft
+        vocabulary on castspec's C library, the rows' head product and log-softmax are one native call."""
+        L1 = self.cfg.num_draft_positions + 1
+        rows = [i * L1 + j for i, d in enumerate(depths) for j in range(1, d + 1)]
+        if self.draft_vocab is not None:
+            sub = panel_logprobs(hidden, rows, self.vocab_head(target), self._sub_panels)
+            if sub is not None:
+                return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
+        return self.marginals(hidden[rows], target).split(depths)
 
     def vocab_head(self, target) -> torch.Tensor:
         """The rows of the target's lm_head this drafter scores: the draft vocabulary's (gathered once per head

@@ -54,6 +54,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P], _I),
     "argmax_rows": ([_P, _I, _I, _P], None),
     "topk_rows": ([_P, _I, _I, _I, _P, _P, _P], _I),
+    "draft_logprobs": ([_I, _P, _I, _I, _P, _P, _I, _P], _I),
     "forest_select": ([_I, _P, _P, _I, _P, _P, _P, _L, _L, _P, _P, _P, _P, _P, _P], _I),
 }
 

@@ -15,6 +15,7 @@ product in the activations' dtype.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 
@@ -172,3 +173,22 @@ def panel_linear(x: torch.Tensor, weight: torch.Tensor, pack: PanelPack) -> torc
     entry = lib.gemm_bf16_f32 if weight.dtype == torch.bfloat16 else lib.gemm_f32
     entry(pack.get(weight).data_ptr(), xs.data_ptr(), out.data_ptr(), rows, O, I, I, O)
     return out.view(*x.shape[:-1], O)
+
+
+def panel_logprobs(hidden: torch.Tensor, rows: list[int], weight: torch.Tensor, pack: PanelPack) -> torch.Tensor | None:
+    """log_softmax(hidden[rows] @ weight^T) [len(rows), O] in one native call (the product as panel_linear's, the
+    normalization beside it), for fp32 rows hidden [*, I]; None where panel_linear would not apply. What a drafter
+    pass hands its trees: the block rows that draft, through the draft vocabulary's head, as log-probabilities."""
+    lib = native.library()
+    if (lib is None or torch.is_grad_enabled() or hidden.device.type != "cpu" or hidden.dtype != torch.float32
+            or hidden.dim() != 2 or not hidden.is_contiguous() or weight.device.type != "cpu"
+            or not packable(weight) or not rows):
+        return None
+    O, I = weight.shape
+    if hidden.shape[1] != I or not 0 <= min(rows) <= max(rows) < hidden.shape[0]:
+        raise ValueError(f"rows {min(rows)}..{max(rows)} of hidden {tuple(hidden.shape)} for a head of {I} inputs")
+    out = torch.empty(len(rows), O, dtype=torch.float32)
+    if lib.draft_logprobs(int(weight.dtype == torch.bfloat16), pack.get(weight).data_ptr(), O, I, hidden.data_ptr(),
+                          (ctypes.c_int64 * len(rows))(*rows), len(rows), out.data_ptr()):
+        raise MemoryError("native drafter head: out of memory")
+    return out

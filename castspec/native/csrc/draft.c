@@ -26,8 +26,9 @@ typedef struct {
 /* The sizes of the structs castspec/native/abi.py mirrors, compared with its own when the library loads. */
 const int64_t castspec_sizeof_DraftModel = sizeof(DraftModel), castspec_sizeof_DraftSegment = sizeof(DraftSegment);
 
-/* What draft_block works in, all from one Arena (see layer.h); `rows` is the larger of the context and block
- * row counts. */
+/* What draft_block works in, all from one Arena (see layer.h); `rows` is the context and block rows together
+ * (ctx holds the fused context rows and then the block's normed rows: one product of every layer's q|k|v weights
+ * for both). */
 typedef struct {
     RowAttn *see;                                            /* [T] */
     float *x, *ctx, *n, *proj, *act, *heads_out, *probs;      /* [rows, H] x3, [rows, wide] [rows, F]
@@ -38,7 +39,7 @@ typedef struct {
 static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16, DraftScratch *s) {
     const StepModel *m = &dm->base;
     const int H = m->hidden, nq = m->heads * m->head_dim, qkv = nq + 2 * m->kv_heads * m->head_dim, F = m->inter;
-    const int rows = C > T ? C : T, wide = 2 * F > qkv ? 2 * F : qkv; /* wide: the widest activation row */
+    const int rows = C + T, wide = 2 * F > qkv ? 2 * F : qkv; /* wide: the widest activation row */
     const int in = wide > dm->fc_in ? wide : dm->fc_in;                  /* the widest product input */
     const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
     const int64_t io = GEMM_ROWS(rows) * (in > H ? in : H);
@@ -64,7 +65,7 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
                 const int64_t *ctx_pos, int T, const float *block_emb, const int64_t *block_pos, float *out) {
     const StepModel *m = &dm->base;
     const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads, FI = dm->fc_in;
-    const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk, esz = m->bf16 ? 2 : 4;
+    const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk;
     int Smax = 1;
     for (int g = 0; g < nseg; ++g) {
         const int S = (int)(segs[g].start + segs[g].ctx_rows + segs[g].block_rows);
@@ -84,42 +85,85 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
     for (int c = 0; c < C; ++c) rms_norm(m, n + c * H, dm->hidden_norm, H, ctx + c * H);
     memcpy(x, block_emb, sizeof(float) * T * H);
 
+    float *normed = ctx + (int64_t)C * H, *bproj = proj + (int64_t)C * qkv; /* the block's rows after the context's */
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
-        /* context keys/values: the k|v rows of the fused projection on the fused context, no input norm */
-        const void *kv_w = (const char *)L->qkv_w + (size_t)nq * H * esz;
-        const void *kv_b = L->qkv_b ? (const char *)L->qkv_b + (size_t)nq * esz : NULL;
-        linear(m, kv_w, kv_b, ctx, C, 2 * nk, H, xs, proj);
+        /* one product of the q|k|v weights for the fused context (no input norm; its k|v columns are its keys and
+         * values) and the block's normed rows: the weights read once a layer. Each row's sums are its own
+         * (gemm.c), so the context's keys are the bits a product of the k|v weights alone gives. */
+        for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, L->attn_norm, H, normed + t * H);
+        linear(m, L->qkv_w, L->qkv_b, ctx, C + T, qkv, H, xs, proj);
         for (int g = 0, c = 0; g < nseg; ++g) {
             const DraftSegment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
             void *K = kv_at(m, sg->k, layer), *V = kv_at(m, sg->v, layer);
             for (int j = 0; j < sg->ctx_rows; ++j, ++c) {
-                float *row = proj + (int64_t)c * 2 * nk;
+                float *row = proj + (int64_t)c * qkv + nq;
                 norm_rope_heads(m, L, row, 0, nkv, ctx_pos[c]);
                 write_kv(m, K, V, head_stride, sg->start + j, row, row + nk);
             }
         }
         /* the blocks */
-        for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, L->attn_norm, H, n + t * H);
-        linear(m, L->qkv_w, L->qkv_b, n, T, qkv, H, xs, proj);
         for (int g = 0, t = 0; g < nseg; ++g) {
             const DraftSegment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
             const int S = (int)(sg->start + sg->ctx_rows + sg->block_rows);
             void *K = kv_at(m, sg->k, layer), *V = kv_at(m, sg->v, layer);
             for (int j = 0; j < sg->block_rows; ++j, ++t) {
-                float *row = proj + (int64_t)t * qkv;
+                float *row = bproj + (int64_t)t * qkv;
                 norm_rope_heads(m, L, row, nh, nkv, block_pos[t]);
                 write_kv(m, K, V, head_stride, sg->start + sg->ctx_rows + j, row + nq, row + nq + nk);
                 see[t] = (RowAttn){K, V, head_stride, S, NULL}; /* everything */
             }
         }
         /* n is free again once the block's projections are taken: it holds attention's and the MLP's outputs */
-        attention(m, L, T, proj, qkv, see, S16, probs, heads_out, x, xs, n);
+        attention(m, L, T, bproj, qkv, see, S16, probs, heads_out, x, xs, n);
         mlp(m, L, T, x, n, proj, act, xs, n);
     }
     for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, m->final_norm, H, out + t * H);
+    free(arena.base);
+    return 0;
+}
+
+/* One row's log-softmax in place: x - max - log(sum exp(x - max)), the formula torch's log_softmax uses. */
+static void log_softmax_row(float *x, int n) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + i));
+    float top = _mm512_reduce_max_ps(mx);
+    for (; i < n; ++i) top = x[i] > top ? x[i] : top;
+    const __m512 t = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n, i);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), t))));
+    }
+    const __m512 lse = _mm512_set1_ps(logf(_mm512_reduce_add_ps(sum)));
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n, i);
+        _mm512_mask_storeu_ps(x + i, k, _mm512_sub_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), t), lse));
+    }
+}
+
+/* The drafter's log-probabilities over its draft vocabulary for the block rows that draft: rows rows[0..R) of
+ * hidden [*, H] (final-normed, fp32) through the head's packed panels [S, H] (the target's lm_head rows of the
+ * draft vocabulary; bf16 when bf16 is set, else fp32), log-softmaxed; out [R, S] fp32. One call for what the pass
+ * hands the tree: the head's product (gemm.c, each row's sums its own) and the normalization. Returns 0, or -1
+ * when out of memory. */
+int draft_logprobs(int bf16, const void *head, int S, int H, const float *hidden, const int64_t *rows, int R,
+                   float *out) {
+    StepModel m;
+    memset(&m, 0, sizeof(m));
+    m.bf16 = bf16, m.hidden = H;
+    Arena arena = {NULL, 0};
+    float *x;
+    void *xs;
+    if (ARENA_LAYOUT(arena, (x = take(&arena, sizeof(float) * R * H),
+                             xs = take(&arena, (bf16 ? 2 : 4) * GEMM_ROWS(R) * H))))
+        return -1;
+    for (int r = 0; r < R; ++r) memcpy(x + (int64_t)r * H, hidden + rows[r] * H, sizeof(float) * H);
+    linear(&m, head, NULL, x, R, S, H, xs, out);
+    FOR_ROWS(R, r, log_softmax_row(out + (int64_t)r * S, S));
     free(arena.base);
     return 0;
 }
