@@ -22,8 +22,6 @@ from typing import Callable
 
 import numpy as np
 
-from .tree import MassStop
-
 
 def extend_interp(x, xs: list, ys: list):
     """np.interp inside the probed points; past the last one, the last segment's slope goes on (never
@@ -413,7 +411,7 @@ class RoundWidth:
         if lam is None or self.calibration is not None:
             return None
         slopes = self._costs(mean_prefix(prefixes), len(prefixes))[1]
-        return MassStop(len(slopes) - 1, lam * slopes)
+        return lambda taken, score: taken >= len(slopes) - 1 or math.exp(score) <= lam * slopes[taken]
 
     def choose(self, scores: list[float], depths: list[int], prefix: int) -> int:
         """Width for this round from its best-first node scores (log masses, descending)."""

@@ -12,11 +12,9 @@ path even at N = 127.
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from .native import build as native
@@ -139,21 +137,15 @@ def _joined(rows: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((sum(t.shape[0] for t in rows), *first.shape[1:]), first.stride())
 
 
-def _support_groups(logprobs: list[torch.Tensor], supports: list[torch.Tensor | None]) -> list[list[int]]:
-    """The requests that share a support (a batched drafter pass gives them all the same one), each group's
-    blocks ranked in one top-k call: under load, one call for 16 requests' blocks instead of 16. A block that
-    is not 2-d is a group of its own (and fails there)."""
+def _topk_tables(logprobs: list[torch.Tensor], k: int, supports: list[torch.Tensor | None]):
+    """_topk_lists of every request, with one top-k over all requests that share a support (a batched drafter
+    pass gives them all the same one): under load, one call for 16 requests' blocks instead of 16."""
+    tables: list = [None] * len(logprobs)
     groups: dict[tuple, list[int]] = {}
     for r, (lp, sup) in enumerate(zip(logprobs, supports)):
         key = (id(sup), lp.shape[-1], lp.dtype, lp.device) if lp.dim() == 2 else ("alone", r)
         groups.setdefault(key, []).append(r)
-    return list(groups.values())
-
-
-def _topk_tables(logprobs: list[torch.Tensor], k: int, supports: list[torch.Tensor | None]):
-    """_topk_lists of every request, one call per group of requests sharing a support."""
-    tables: list = [None] * len(logprobs)
-    for members in _support_groups(logprobs, supports):
+    for members in groups.values():
         if len(members) == 1:
             r = members[0]
             tables[r] = _topk_lists(logprobs[r], k, supports[r])
@@ -165,31 +157,6 @@ def _topk_tables(logprobs: list[torch.Tensor], k: int, supports: list[torch.Tens
             tables[r] = (vals[start:end], ids[start:end])
             start = end
     return tables
-
-
-def _ranked_tensors(logprobs: list[torch.Tensor], k: int, supports: list[torch.Tensor | None]):
-    """Every request's top-k table in two tensors for the native selection: (vals, toks [rows, k], row0), request
-    r's rows starting at row0[r]. None where the native top-k does not take some group (a NaN, a GPU tensor, no
-    library, blocks of unequal widths): the Python selection then decides, and reports bad input."""
-    if not logprobs or any(lp.dim() != 2 for lp in logprobs):
-        return None
-    if len(logprobs) == 1:  # a round of one request: no groups to join
-        ranked = native.topk_rows(logprobs[0].float(), min(k, logprobs[0].shape[1]), supports[0])
-        return None if ranked is None else (*ranked, [0])
-    vals, toks, row0, start, width = [], [], [0] * len(logprobs), 0, None
-    for members in _support_groups(logprobs, supports):
-        x = _joined([logprobs[r] for r in members]).float()
-        if width is not None and min(k, x.shape[1]) != width:
-            return None
-        width = min(k, x.shape[1])
-        ranked = native.topk_rows(x, width, supports[members[0]])
-        if ranked is None:
-            return None
-        for r in members:
-            row0[r], start = start, start + logprobs[r].shape[0]
-        vals.append(ranked[0])
-        toks.append(ranked[1])
-    return (vals[0], toks[0], row0) if len(vals) == 1 else (torch.cat(vals), torch.cat(toks), row0)
 
 
 def universe_size(depth: int, top_k_per_position: int) -> int:
@@ -213,19 +180,6 @@ def build_tree(logprobs: torch.Tensor, width: int, top_k_per_position: int | Non
                         supports=[support])[0]
 
 
-@dataclass(frozen=True)
-class MassStop:
-    """A stop for build_forest, as data so that the native selection applies it too: before taking another node
-    with `taken` nodes taken, stop once taken >= limit or the best remaining string's mass exp(score) is at most
-    mass[taken] (RoundWidth.stop_rule)."""
-
-    limit: int
-    mass: np.ndarray  # float64, at least `limit` entries
-
-    def __call__(self, taken: int, score: float) -> bool:
-        return taken >= self.limit or math.exp(score) <= self.mass[taken]
-
-
 def build_forest(logprobs: list[torch.Tensor], budget: int, top_k_per_position: int,
                  max_width: list[int] | None = None,
                  supports: list[torch.Tensor | None] | None = None,
@@ -244,17 +198,9 @@ def build_forest(logprobs: list[torch.Tensor], budget: int, top_k_per_position: 
     supports = supports or [None] * len(logprobs)
     if len(supports) != len(logprobs):
         raise ValueError(f"one support per request: {len(supports)} supports for {len(logprobs)} requests")
-    caps = max_width or [budget] * len(logprobs)
-    if stop is None or isinstance(stop, MassStop):
-        ranked = _ranked_tensors(logprobs, top_k_per_position, supports)
-        if ranked is not None:
-            picked = native.forest_select(*ranked[:2], [lp.shape[0] for lp in logprobs], ranked[2],
-                                          [min(c, 2 ** 31 - 1) for c in caps], budget,
-                                          *((stop.limit, stop.mass) if stop is not None else ()))
-            if picked is not None:
-                return _trees(picked, len(logprobs))
     tables = _topk_tables(logprobs, top_k_per_position, supports)
     out = [([], [], [], []) for _ in logprobs]
+    caps = max_width or [budget] * len(logprobs)
     # entries: (-score, depth, tiebreak, request, parent_node, position_rank)
     heap: list[tuple] = []
     counter = 0
@@ -287,17 +233,6 @@ def build_forest(logprobs: list[torch.Tensor], budget: int, top_k_per_position: 
         if depth < len(vals):
             heapq.heappush(heap, (-(-neg + vals[depth][0]), depth + 1, counter, r, node, 0))
             counter += 1
-    return [Tree(*lists) for lists in out]
-
-
-def _trees(picked: native.Forest, requests: int) -> list[Tree]:
-    """The native selection's nodes as one tree per request."""
-    if requests == 1:
-        return [Tree(picked.tokens, picked.parents, picked.depths, picked.scores)]
-    out = [([], [], [], []) for _ in range(requests)]
-    for r, node in zip(picked.requests, zip(picked.tokens, picked.parents, picked.depths, picked.scores)):
-        for column, value in zip(out[r], node):
-            column.append(value)
     return [Tree(*lists) for lists in out]
 
 

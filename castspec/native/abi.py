@@ -41,7 +41,7 @@ class DraftSegment(ctypes.Structure):
 
 SHARED = {cls.__name__: cls for cls in (Layer, StepModel, Segment, DraftModel, DraftSegment)}
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {  # name: (argument types, result type)
     "skinny_bf16": ([_P] * 3 + [_I] * 5, None),
     "skinny_bf16_f32": ([_P] * 3 + [_I] * 5, None),
@@ -55,7 +55,6 @@ SIGNATURES = {  # name: (argument types, result type)
     "argmax_rows": ([_P, _I, _I, _P], None),
     "topk_rows": ([_P, _I, _I, _I, _P, _P, _P], _I),
     "draft_logprobs": ([_I, _P, _I, _I, _P, _P, _I, _P], _I),
-    "forest_select": ([_I, _P, _P, _I, _P, _P, _P, _L, _L, _P, _P, _P, _P, _P, _P], _I),
 }
 
 

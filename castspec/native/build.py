@@ -34,11 +34,9 @@ import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import _ctypes
-import numpy as np
 import torch
 
 from .. import env
@@ -278,45 +276,6 @@ def topk_rows(x: torch.Tensor, k: int,
                      vals.data_ptr(), toks.data_ptr()):
         return None
     return vals, toks
-
-
-@dataclass
-class Forest:
-    """forest_select's nodes in selection order: each one's request, token, parent (that request's node index,
-    -1 for the root's children), depth and summed log-probability."""
-
-    requests: list[int]
-    tokens: list[int]
-    parents: list[int]
-    depths: list[int]
-    scores: list[float]
-
-
-def forest_select(vals: torch.Tensor, toks: torch.Tensor, depths: list[int], row0: list[int], caps: list[int],
-                  budget: int, limit: int = -1, stop_mass=None) -> Forest | None:
-    """castspec.tree.build_forest's best-first selection in C, over ranked tables (topk_rows' output) vals /
-    toks [rows, k]: request r's block is rows row0[r] .. row0[r] + depths[r]. The same nodes in the same order
-    as the Python heap; with limit >= 0 it stops once `limit` nodes are taken or the best remaining mass is at
-    most stop_mass[taken] (float64 [limit]). None without the library."""
-    lib = library()
-    if lib is None:
-        return None
-    R, k = len(depths), vals.shape[1]
-    # what can be taken at most: a request's cap, its universe of strings k + k^2 + ... + k^L
-    most = min(budget, sum(min(c, L * k if k == 1 else (k ** (L + 1) - k) // (k - 1)) for c, L in zip(caps, depths)))
-    i32, i64, f64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_double
-    req, tok, parent, depth, score = (i32 * most)(), (i64 * most)(), (i32 * most)(), (i32 * most)(), (f64 * most)()
-    mass = None
-    if limit >= 0:
-        stop_mass = np.ascontiguousarray(stop_mass, dtype=np.float64)
-        if stop_mass.shape[0] < limit:
-            raise ValueError(f"stop_mass has {stop_mass.shape[0]} entries for a limit of {limit}")
-        mass = stop_mass.ctypes.data
-    n = lib.forest_select(R, (i32 * R)(*depths), (i64 * R)(*row0), k, vals.data_ptr(), toks.data_ptr(),
-                          (i32 * R)(*caps), most, limit, mass, req, tok, parent, depth, score)
-    if n < 0:
-        raise MemoryError("castspec: forest_select ran out of memory")
-    return Forest(req[:n], tok[:n], parent[:n], depth[:n], score[:n])
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
