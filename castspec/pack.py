@@ -45,14 +45,6 @@ def ancestor_cells(parents: list[int], offset: int = 0) -> tuple[list[int], list
     return rows, cols
 
 
-def ancestor_matrix(parents: list[int]) -> np.ndarray:
-    """[N+1, N+1] bool: row r marks r and its ancestors (row of the root = itself)."""
-    n = len(parents) + 1
-    anc = np.zeros((n, n), dtype=bool)
-    anc[ancestor_cells(parents)] = True
-    return anc
-
-
 def pack_tree(tree: Tree, root: int, prefix_len: int, device) -> Pack:
     n = len(tree) + 1
     mask = None

@@ -156,14 +156,23 @@ class PanelPack:
         return self._packed
 
 
+def _panel_library(x: torch.Tensor, weight: torch.Tensor):
+    """The C library where gemm.c multiplies x by a packed `weight` (both on the CPU, gradients off, a weight it
+    packs), else None."""
+    lib = native.library()
+    if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu"
+            or weight.device.type != "cpu" or not packable(weight)):
+        return None
+    return lib
+
+
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, pack: PanelPack) -> torch.Tensor | None:
     """x [..., I] @ weight [O, I]^T through gemm.c's products for any number of rows: fp32 sums, x rounded to
     weight's dtype as it enters; None where they do not apply (no native library; not on the CPU; gradients on;
     a weight gemm.c cannot multiply). The torch forward's oneDNN kernels stream weights far below the read rate
     at these shapes on some CPUs (docs/performance.md), which made the drafter's head a third of its pass there."""
-    lib = native.library()
-    if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu"
-            or weight.device.type != "cpu" or not packable(weight)):
+    lib = _panel_library(x, weight)
+    if lib is None:
         return None
     O, I = weight.shape
     rows = x.numel() // I
@@ -179,10 +188,9 @@ def panel_logprobs(hidden: torch.Tensor, rows: list[int], weight: torch.Tensor, 
     """log_softmax(hidden[rows] @ weight^T) [len(rows), O] in one native call (the product as panel_linear's, the
     normalization beside it), for fp32 rows hidden [*, I]; None where panel_linear would not apply. What a drafter
     pass hands its trees: the block rows that draft, through the draft vocabulary's head, as log-probabilities."""
-    lib = native.library()
-    if (lib is None or torch.is_grad_enabled() or hidden.device.type != "cpu" or hidden.dtype != torch.float32
-            or hidden.dim() != 2 or not hidden.is_contiguous() or weight.device.type != "cpu"
-            or not packable(weight) or not rows):
+    lib = _panel_library(hidden, weight)
+    if (lib is None or hidden.dtype != torch.float32 or hidden.dim() != 2 or not hidden.is_contiguous()
+            or not rows):
         return None
     O, I = weight.shape
     if hidden.shape[1] != I or not 0 <= min(rows) <= max(rows) < hidden.shape[0]:

@@ -116,7 +116,7 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
                 see[t] = (RowAttn){K, V, head_stride, S, NULL}; /* everything */
             }
         }
-        /* n is free again once the block's projections are taken: it holds attention's and the MLP's outputs */
+        /* n (the fused context's scratch before the layers) holds attention's and the MLP's outputs */
         attention(m, L, T, bproj, qkv, see, S16, probs, heads_out, x, xs, n);
         mlp(m, L, T, x, n, proj, act, xs, n);
     }
