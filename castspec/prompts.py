@@ -5,6 +5,8 @@
 - math:  arithmetic word problems from our own templates with random quantities
 - docs:  tasks built from the names, signatures and docstrings of installed Python modules
 - topics: instructions from our own seed topics x instruction templates
+- instructions: role play, reasoning puzzles, extraction, comparisons, plans and constrained writing from our
+  own templates (`instruction_tasks`; make-data --prompts instructions)
 - follow-ups: a second user turn of our own (shorten it, give an example, test the code, check the sum, ...)
   after the target's answer to any of the above (`follow_ups`: multi-turn training data)
 
@@ -200,6 +202,102 @@ def topic_tasks() -> list[Prompt]:
             for i, t in enumerate(TOPICS) for j, tmpl in enumerate(TOPIC_TASKS)]
 
 
+# --- instructions of kinds the topic tasks lack (our own templates; make-data --prompts instructions) --------
+# MT-Bench's first turns also ask for role play, reasoning, extraction from a given text, comparisons, plans
+# and writing under constraints; the topic tasks above are explanations, stories, lists and emails only.
+PERSONAS = ["a tour guide", "a pirate captain", "a medieval knight", "a detective", "a chef", "a museum curator",
+            "a personal trainer", "a librarian", "an astronaut on a space station", "a customer support agent",
+            "a high school science teacher", "a travel agent", "a job interviewer", "a sports commentator",
+            "a movie critic", "a farmer", "a lighthouse keeper", "a startup founder", "a park ranger",
+            "a doctor", "a taxi driver", "a wizard", "a time traveler from the year 2300", "a retired sailor"]
+SITUATIONS = ["a first day at a new job", "a long flight", "a public speech", "a job interview", "moving abroad",
+              "a final exam", "a first marathon", "a difficult conversation with a friend", "a camping trip",
+              "a team project", "a wedding toast", "a visit to the dentist", "a salary negotiation"]
+CITIES = ["Lisbon", "Kyoto", "Nairobi", "Toronto", "Prague", "Buenos Aires", "Seoul", "Cairo", "Oslo",
+          "Melbourne", "Istanbul", "Mexico City", "Edinburgh", "Hanoi", "Cape Town", "Vienna"]
+FORMS = ["a haiku", "a limerick", "a tweet", "a product description", "a short speech", "a letter of complaint",
+         "a diary entry", "a news headline with a first paragraph", "a recipe", "a song chorus",
+         "a motivational message", "an advertisement", "a dialogue between two friends", "a short fable"]
+CONSTRAINTS = ["in exactly three sentences", "for a five-year-old", "in a formal tone", "in a humorous tone",
+               "in under 50 words", "as a numbered list", "that ends with a question", "with a title in bold",
+               "without using the word 'very'", "in the second person", "that starts with the word 'Imagine'",
+               "for busy professionals"]
+TRAITS = [("taller", "shortest"), ("older", "youngest"), ("faster", "slowest"), ("richer", "poorest")]
+WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+EXTRACT_ASKS = ["Extract every person, place, date and amount in this text as JSON.",
+                "Summarize this text in one sentence.", "What did they agree on? Answer briefly.",
+                "Turn this text into a table with the columns who, what, when and how much.",
+                "List the facts in this text as bullet points.", "Write a short reply to this message."]
+ROLE_ASKS = ["Introduce yourself and describe a typical day.",
+             "A visitor asks you about {t}. Answer in character.",
+             "Give advice, in character, to someone preparing for {s}.",
+             "Describe the best and the worst part of your work.",
+             "Tell a short story from your own experience about {t}."]
+
+
+def _puzzle(rng: random.Random) -> str:
+    kind = rng.randrange(4)
+    if kind == 0:  # an order from pairwise comparisons
+        a, b, c, d = rng.sample(NAMES, 4)
+        more, least = rng.choice(TRAITS)
+        return (f"{a} is {more} than {b}. {c} is {more} than {a}. {b} is {more} than {d}. Who is the {least}, "
+                f"and how do you know?")
+    if kind == 1:
+        day, n = rng.choice(WEEKDAYS), rng.randint(3, 40)
+        return f"If today is {day}, what day of the week will it be in {n} days? Explain how you worked it out."
+    if kind == 2:
+        a, b = rng.sample(NAMES, 2)
+        i, k = rng.choice(ITEMS), rng.randint(2, 5)
+        return (f"{a} has {k} times as many {i} as {b}. Together they have {(k + 1) * rng.randint(3, 12)} {i}. "
+                f"How many does each have?")
+    x, y, z = rng.sample(["cats", "pets", "animals", "birds", "dogs", "musicians", "teachers", "artists",
+                          "students", "engineers", "readers", "runners"], 3)
+    return f"All {x} are {y}, and some {y} are {z}. Can we conclude that some {x} are {z}? Explain."
+
+
+def _passage(rng: random.Random) -> str:
+    a, b = rng.sample(NAMES, 2)
+    return (f"{a} met {b} in {rng.choice(CITIES)} on {rng.choice(MONTHS)} {rng.randint(1, 28)} to talk about "
+            f"{rng.choice(TOPICS)}. They agreed that {b} would buy {rng.randint(2, 60)} {rng.choice(ITEMS)} for "
+            f"${rng.randint(5, 500)} before {rng.choice(WEEKDAYS)}, and that {a} would write a report on "
+            f"{rng.choice(TOPICS)} by the end of {rng.choice(MONTHS)}.")
+
+
+def instruction_tasks(count: int, seed: int) -> list[Prompt]:
+    """Up to `count` distinct chat instructions of the kinds above, drawn with `seed`: role play, reasoning puzzles, extraction
+    from a short passage, comparisons, plans and writing in a given form under a constraint."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        kind = k % 6
+        t, t2 = rng.sample(TOPICS, 2)
+        if kind == 0:
+            text = f"Pretend you are {rng.choice(PERSONAS)}. " + rng.choice(ROLE_ASKS).format(
+                t=t, s=rng.choice(SITUATIONS))
+        elif kind == 1:
+            text = _puzzle(rng)
+        elif kind == 2:
+            text = f"{rng.choice(EXTRACT_ASKS)}\n\n{_passage(rng)}"
+        elif kind == 3:
+            text = rng.choice([f"Compare {t} and {t2}: how are they alike, and how do they differ?",
+                               f"Which matters more in everyday life, {t} or {t2}? Argue both sides briefly.",
+                               f"Write a short conversation in which an expert on {t} and an expert on {t2} "
+                               "find something they have in common."])
+        elif kind == 4:
+            text = rng.choice([f"Plan a {rng.randint(2, 5)}-day trip to {rng.choice(CITIES)} on a budget of "
+                               f"${rng.randint(3, 20) * 100}.",
+                               f"Make a four-week plan for a beginner who wants to learn about {t}.",
+                               f"Write a checklist for {rng.choice(SITUATIONS)}.",
+                               f"Give a step-by-step plan for {rng.choice(SITUATIONS)}, with a time for each step."])
+        else:
+            text = f"Write {rng.choice(FORMS)} about {t} {rng.choice(CONSTRAINTS)}."
+        out.append(Prompt("chat", "instructions", text, f"instr/{seed}/{k}"))
+    unique = {p.text: p for p in reversed(out)}  # a few draws repeat: keep each text's first
+    return [p for p in out if unique[p.text] is p]
+
+
 # --- follow-up turns (our own), after the target's answer: multi-turn training data -----------------------
 FOLLOW_UPS_ANY = ["Can you make that shorter?", "Explain that again in simpler words.",
                   "Summarize your answer in three bullet points.", "Give me a concrete example.",
@@ -254,6 +352,19 @@ def training_prompts(num_math: int = 1500, seed: int = 0) -> list[Prompt]:
     pool = [p for p in pool if p.text not in held]
     random.Random(seed).shuffle(pool)
     return pool
+
+
+PROMPT_FAMILIES = ("training", "instructions")
+INSTRUCTIONS_PER_SEED = 3000
+
+
+def prompt_family(name: str, seed: int) -> list[Prompt]:
+    """make-data's prompt families (PROMPT_FAMILIES) drawn with `seed`."""
+    if name == "instructions":
+        return instruction_tasks(INSTRUCTIONS_PER_SEED, seed)
+    if name == "training":
+        return training_prompts(seed=seed)
+    raise ValueError(f"unknown prompt family {name!r}; choose from {', '.join(PROMPT_FAMILIES)}")
 
 
 # --- sets of another kind than any training prompt (eval-drafter --sets) ---------------------------------

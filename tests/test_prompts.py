@@ -3,7 +3,7 @@ import pytest
 
 from castspec.engine import Engine
 from castspec.prompts import (DOC_MODULES, EVAL_SETS, FOLLOW_UPS, FOLLOW_UPS_ANY, UNSEEN_MODULES, Prompt,
-    eval_prompts, heldout_prompts, training_prompts)
+    eval_prompts, heldout_prompts, instruction_tasks, prompt_family, training_prompts)
 from castspec.train.evaluate import evaluate_drafter, r_per_domain, request_of
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
@@ -27,6 +27,22 @@ def test_eval_sets_are_sized_like_the_heldout_split_and_never_trained_on():
     assert all(not p.chat for p in eval_prompts("humaneval-completion", 4))
     with pytest.raises(ValueError, match="unknown prompt set"):
         eval_prompts("nope")
+
+
+def test_instruction_tasks_are_drawn_by_seed_distinct_and_apart_from_evaluation():
+    a = instruction_tasks(600, seed=10)
+    assert a == instruction_tasks(600, seed=10) and a != instruction_tasks(600, seed=11)
+    assert len({p.text for p in a}) == len(a) == len({p.id for p in a}) > 500
+    assert {p.domain for p in a} == {"chat"} and all(p.chat and not p.earlier_turns for p in a)
+    # every kind is there: role play, puzzles, a passage to extract from, comparisons, plans, constrained forms
+    for marker in ("Pretend you are", "how do you know?", "\n\n", "Compare ", "Plan a ", "Write a haiku"):
+        assert any(marker in p.text for p in a), marker
+    held = {p.text for name in EVAL_SETS for p in eval_prompts(name, 40)}
+    assert not {p.text for p in a} & held
+    assert set(a) <= set(prompt_family("instructions", 10))  # the same draws, more of them
+    assert prompt_family("training", 3) == training_prompts(seed=3)
+    with pytest.raises(ValueError, match="unknown prompt family"):
+        prompt_family("nope", 0)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from ..engine import DTYPES
 from ..models.load import load_drafter, load_target, rope_parameters_of
-from ..prompts import follow_ups, heldout_prompts, training_prompts
+from ..prompts import PROMPT_FAMILIES, follow_ups, heldout_prompts, prompt_family
 from ..train.blocks import parse_window_schedule
 from ..train.datagen import (DataGenConfig, answered_prompts, batched_generate, encode_chat, generate_dataset,
     load_records, shard_files)
@@ -121,7 +121,7 @@ def replay_tracker(loaded, data: Path, out: Path, per_domain: int):
 
 def _make_data(args, loaded) -> dict:
     cfg = DataGenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                        temperature=args.temperature, seed=args.seed, dtype=args.dtype)
+                        temperature=args.temperature, seed=args.seed, dtype=args.dtype, prompts=args.prompts)
     stop = set(loaded.model.cfg.eos_token_ids) | {loaded.tokenizer.eos_token_id}
     prompts = _datagen_prompts(args, loaded.tokenizer)
     if args.max_prompts:
@@ -131,10 +131,10 @@ def _make_data(args, loaded) -> dict:
 
 
 def _datagen_prompts(args, tokenizer) -> list:
-    """make-data's prompts: the training prompts drawn with --seed, or with --follow-up DIR a second turn of
-    our own after each answer in that dataset."""
+    """make-data's prompts: the training prompts (or with --prompts instructions, the instruction tasks) drawn
+    with --seed, or with --follow-up DIR a second turn of our own after each answer in that dataset."""
     if not args.follow_up:
-        return training_prompts(seed=args.seed)
+        return prompt_family(args.prompts, args.seed)
     source = Path(args.follow_up)
     if not shard_files(source):
         raise UserError(f"--follow-up: no make-data dataset in {source}")
@@ -219,6 +219,9 @@ def _add_datagen_args(p) -> None:
     p.add_argument("--batch-size", type=int, default=24)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", default="training", choices=PROMPT_FAMILIES,
+                   help="training: every offline source but the held-out split; instructions: role play, "
+                        "puzzles, extraction, comparisons, plans, constrained writing (castspec/prompts.py)")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     p.add_argument("--follow-up", default=None, metavar="DIR",
                    help="multi-turn data: the prompts are a second user turn of our own after each of the "

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from ..config import DecodeConfig
 from ..decode import raise_error
 from ..models.decoder import Decoder
-from ..prompts import Prompt, training_prompts
+from ..prompts import Prompt, prompt_family
 from ..round import run_round
 from ..sequence import Sequence
 
@@ -29,6 +29,7 @@ class DataGenConfig:
     temperature: float = 0.0  # 0 = greedy (what decoding serves); > 0 samples for diversity
     seed: int = 0
     dtype: str = "bf16"
+    prompts: str = "training"  # the prompt family (prompts.PROMPT_FAMILIES) drawn with `seed`
     # shards decoded together: a finished row's place goes to the next shard's prompts, so the batch stays full
     # (one shard alone drains to its longest response); an interruption loses at most this many shards' work
     shards_per_call: int = 8
@@ -158,10 +159,11 @@ def dataset_summary(data_dir: Path) -> dict:
 
 def answered_prompts(data_dir: Path, tokenizer, prompts: list[Prompt] | None = None) -> list[tuple[Prompt, str]]:
     """The prompts a make-data dataset answered, each with the target's answer as text, in the dataset's order.
-    `prompts` holds them (default: the training prompts drawn with the seed in the dataset's datagen.json)."""
+    `prompts` holds them (default: the prompt family and seed in the dataset's datagen.json)."""
     data_dir = Path(data_dir)
     if prompts is None:
-        prompts = training_prompts(seed=json.loads((data_dir / "datagen.json").read_text())["config"]["seed"])
+        config = json.loads((data_dir / "datagen.json").read_text())["config"]
+        prompts = prompt_family(config.get("prompts", "training"), config["seed"])
     by_id = {p.id: p for p in prompts}
     out = []
     for r in load_records(data_dir):
