@@ -56,6 +56,16 @@ DATA14=${DATA14:-data/smollm2-bf16-greedy-s6}
 DATA14T=${DATA14T:-data/smollm2-bf16-t1-s7}
 RUN14=${RUN14:-runs/drafter-smollm2-v19}
 STEPS14=${STEPS14:-1000}
+# leg 16 (v21): v19 continued the same way on chat instructions of other kinds (make-data --prompts
+# instructions: greedy answers to the family drawn with seed 10, answers sampled at T = 1 to 1,500 drawn with
+# seed 11) beside greedy responses to the training prompts drawn with seed 8 and answers sampled at T = 1 to
+# 1,000 drawn with seed 9
+DATA16I=${DATA16I:-data/smollm2-bf16-instr-s10}
+DATA16IT=${DATA16IT:-data/smollm2-bf16-instr-t1-s11}
+DATA16=${DATA16:-data/smollm2-bf16-greedy-s8}
+DATA16T=${DATA16T:-data/smollm2-bf16-t1-s9}
+RUN16=${RUN16:-runs/drafter-smollm2-v21}
+STEPS16=${STEPS16:-900}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -71,6 +81,10 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA9T" --batch-size 24 --seed 4 --temperature 1.0
   $CLI make-data --out "$DATA14" --batch-size 24 --seed 6
   $CLI make-data --out "$DATA14T" --batch-size 24 --seed 7 --temperature 1.0 --max-prompts 2500
+  $CLI make-data --out "$DATA16I" --batch-size 24 --seed 10 --prompts instructions
+  $CLI make-data --out "$DATA16IT" --batch-size 24 --seed 11 --prompts instructions --temperature 1.0 --max-prompts 1500
+  $CLI make-data --out "$DATA16" --batch-size 24 --seed 8
+  $CLI make-data --out "$DATA16T" --batch-size 24 --seed 9 --temperature 1.0 --max-prompts 1000
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -123,7 +137,11 @@ $CLI train-drafter --data "$DATA9,$DATA9T" --out "$RUN12" --layers 3 --block-siz
 $CLI train-drafter --data "$DATA14,$DATA14T" --out "$RUN14" --layers 3 --block-size 8 --seqs-per-step 4 --anchors 128 \
     --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN12/drafter" --draft-vocab "$RUN12/drafter" \
     --steps "$STEPS14" --checkpoint-every 25 --export-every 500 --eval-per-domain 4
-# 13. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 13. leg 16: v19 continued with the same recipe on the chat instructions and the seed-8/9 datasets
+$CLI train-drafter --data "$DATA16I,$DATA16IT,$DATA16,$DATA16T" --out "$RUN16" --layers 3 --block-size 8 \
+    --seqs-per-step 4 --anchors 128 --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN14/drafter" \
+    --draft-vocab "$RUN14/drafter" --steps "$STEPS16" --checkpoint-every 25 --export-every 450 --eval-per-domain 4
+# 14. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN14/drafter/config.json" "$RUN14/drafter/model.safetensors" "$RUN14/drafter/draft_vocab.safetensors" \
+cp "$RUN16/drafter/config.json" "$RUN16/drafter/model.safetensors" "$RUN16/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
