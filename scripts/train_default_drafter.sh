@@ -66,6 +66,12 @@ DATA16=${DATA16:-data/smollm2-bf16-greedy-s8}
 DATA16T=${DATA16T:-data/smollm2-bf16-t1-s9}
 RUN16=${RUN16:-runs/drafter-smollm2-v21}
 STEPS16=${STEPS16:-900}
+# leg 17 (v22): v21 continued on new instructions (seed 12), a second turn of our own after each of leg 16's
+# greedy instruction answers, and the seed-8 greedy data
+DATA17I=${DATA17I:-data/smollm2-bf16-instr-s12}
+DATA17F=${DATA17F:-data/smollm2-bf16-instr-followup-s12}
+RUN17=${RUN17:-runs/drafter-smollm2-v22}
+STEPS17=${STEPS17:-600}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -85,6 +91,8 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA16IT" --batch-size 24 --seed 11 --prompts instructions --temperature 1.0 --max-prompts 1500
   $CLI make-data --out "$DATA16" --batch-size 24 --seed 8
   $CLI make-data --out "$DATA16T" --batch-size 24 --seed 9 --temperature 1.0 --max-prompts 1000
+  $CLI make-data --out "$DATA17I" --batch-size 24 --seed 12 --prompts instructions
+  $CLI make-data --out "$DATA17F" --batch-size 24 --seed 12 --follow-up "$DATA16I"
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -141,7 +149,11 @@ $CLI train-drafter --data "$DATA14,$DATA14T" --out "$RUN14" --layers 3 --block-s
 $CLI train-drafter --data "$DATA16I,$DATA16IT,$DATA16,$DATA16T" --out "$RUN16" --layers 3 --block-size 8 \
     --seqs-per-step 4 --anchors 128 --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN14/drafter" \
     --draft-vocab "$RUN14/drafter" --steps "$STEPS16" --checkpoint-every 25 --export-every 450 --eval-per-domain 4
-# 14. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 14. leg 17: v21 continued at a lower peak on the new instructions, their second turns and the seed-8 data
+$CLI train-drafter --data "$DATA17I,$DATA17F,$DATA16" --out "$RUN17" --layers 3 --block-size 8 --seqs-per-step 4 \
+    --anchors 128 --lr 1e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN16/drafter" \
+    --draft-vocab "$RUN16/drafter" --steps "$STEPS17" --checkpoint-every 25 --export-every 600 --eval-per-domain 4
+# 15. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN16/drafter/config.json" "$RUN16/drafter/model.safetensors" "$RUN16/drafter/draft_vocab.safetensors" \
+cp "$RUN17/drafter/config.json" "$RUN17/drafter/model.safetensors" "$RUN17/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
