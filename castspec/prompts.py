@@ -266,10 +266,11 @@ def _passage(rng: random.Random) -> str:
 
 
 def instruction_tasks(count: int, seed: int) -> list[Prompt]:
-    """Up to `count` distinct chat instructions of the kinds above, drawn with `seed`: role play, reasoning puzzles, extraction
-    from a short passage, comparisons, plans and writing in a given form under a constraint."""
+    """The distinct chat instructions among `count` draws of the kinds above with `seed` (a few draws repeat;
+    each text is kept where it is first drawn): role play, reasoning puzzles, extraction from a short passage,
+    comparisons, plans and writing in a given form under a constraint."""
     rng = random.Random(seed)
-    out = []
+    out, seen = [], set()
     for k in range(count):
         kind = k % 6
         t, t2 = rng.sample(TOPICS, 2)
@@ -293,9 +294,10 @@ def instruction_tasks(count: int, seed: int) -> list[Prompt]:
                                f"Give a step-by-step plan for {rng.choice(SITUATIONS)}, with a time for each step."])
         else:
             text = f"Write {rng.choice(FORMS)} about {t} {rng.choice(CONSTRAINTS)}."
-        out.append(Prompt("chat", "instructions", text, f"instr/{seed}/{k}"))
-    unique = {p.text: p for p in reversed(out)}  # a few draws repeat: keep each text's first
-    return [p for p in out if unique[p.text] is p]
+        if text not in seen:
+            seen.add(text)
+            out.append(Prompt("chat", "instructions", text, f"instr/{seed}/{k}"))
+    return out
 
 
 # --- follow-up turns (our own), after the target's answer: multi-turn training data -----------------------
@@ -354,17 +356,17 @@ def training_prompts(num_math: int = 1500, seed: int = 0) -> list[Prompt]:
     return pool
 
 
-PROMPT_FAMILIES = ("training", "instructions")
 INSTRUCTIONS_PER_SEED = 3000
+# make-data's prompt families (--prompts), each drawn with a seed
+PROMPT_FAMILIES = {"training": lambda seed: training_prompts(seed=seed),
+                   "instructions": lambda seed: instruction_tasks(INSTRUCTIONS_PER_SEED, seed)}
 
 
 def prompt_family(name: str, seed: int) -> list[Prompt]:
-    """make-data's prompt families (PROMPT_FAMILIES) drawn with `seed`."""
-    if name == "instructions":
-        return instruction_tasks(INSTRUCTIONS_PER_SEED, seed)
-    if name == "training":
-        return training_prompts(seed=seed)
-    raise ValueError(f"unknown prompt family {name!r}; choose from {', '.join(PROMPT_FAMILIES)}")
+    """The prompt family `name` of PROMPT_FAMILIES drawn with `seed`."""
+    if name not in PROMPT_FAMILIES:
+        raise ValueError(f"unknown prompt family {name!r}; choose from {', '.join(PROMPT_FAMILIES)}")
+    return PROMPT_FAMILIES[name](seed)
 
 
 # --- sets of another kind than any training prompt (eval-drafter --sets) ---------------------------------

@@ -209,6 +209,8 @@ def test_native_top_k_gives_the_trees_of_torchs(monkeypatch):
     """The tree's candidates from castspec's C top-k (ties ranked by token id in C) and from torch's top-k (ties
     settled afterwards) give the same trees, scores to the bit: ties inside and across the k-th place, rows of
     -inf, shared and separate supports, caps, several requests."""
+    if native.library() is None:
+        pytest.skip("no native library here: both sides would be torch's top-k")
     g = torch.Generator().manual_seed(11)
     for trial in range(60):
         V, k = (5, 17, 300)[trial % 3], (1, 2, 8)[trial % 3 - 1]
