@@ -14,7 +14,7 @@ from castspec.decode import decode
 from castspec.engine import Engine
 from castspec.serving.live import LiveServer
 from castspec.cli.loadtest import parse_spec
-from castspec.serving.loadtest import run_conversations, run_load, summarize
+from castspec.serving.loadtest import chat_body, one_request, run_conversations, run_load, session, summarize
 from castspec.serving.scheduler import Request, SchedulerConfig
 from castspec.serving.frontend import ServerConfig
 from castspec.serving.server import Chunks, Mailbox, TextStream, create_app
@@ -226,7 +226,14 @@ def test_loadtest_against_a_live_server(engine):
             res = asyncio.run(run_load(url, msgs, concurrency=2, requests=5, max_tokens=8))
         assert res["ok"] == 5 and res["errors"] == [] and res["tokens"] > 0
         assert res["p99_latency_s"] >= res["p50_latency_s"] > 0 and res["mean_committed_per_round"] >= 1
+        assert 0 < res["client_cpu_s"] <= res["wall_s"]
         results.append({"policy": spec, "concurrency": 2, **res})
+    with LiveServer(make_app(engine)) as url:  # a refused request is reported, with the server's message
+        async def refused():
+            async with session(url) as client:
+                return await one_request(client, chat_body(msgs[0], max_tokens=0))
+        res = asyncio.run(refused())
+    assert res["error"].startswith("HTTP 400: ") and "max_tokens" in res["error"] and res["tokens"] == 0
     summary = summarize(results)["2"]
     assert summary["best_static"]["policy"] == "fixed:4" and "shared:8" in summary["vs_best_static"]
     with pytest.raises(ValueError, match="width"):

@@ -9,6 +9,11 @@
 
 `castspec loadtest` (castspec/cli/loadtest.py) starts the servers, picks the policies and writes the reports.
 Bounded in count (requests) and time (time_limit).
+
+The clients are aiohttp's (its HTTP parser is C) and parse only the events they read something from: on 2 cores
+the load generator shares the CPU (and, against an in-process server, the interpreter) with what it measures, so
+what it spends a token is taken from the server. Reports say how much CPU the client's thread used
+(`client_cpu_s`).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from ..prompts import heldout_prompts
 from .live import check_loopback
@@ -38,20 +43,42 @@ def chat_body(messages: list[dict], max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}, "chat_template_kwargs": {"enable_thinking": False}}
 
 
-async def one_request(client: httpx.AsyncClient, body: dict, keep_text: bool = False) -> dict:
+def session(url: str, connections: int = 100) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600.0),
+                                 connector=aiohttp.TCPConnector(limit=connections))
+
+
+async def metrics_json(client: aiohttp.ClientSession) -> dict:
+    async with client.get("/metrics", params={"format": "json"}) as r:
+        return await r.json()
+
+
+def data_event(line: bytes) -> bytes | None:
+    """An SSE line's JSON payload; None for other lines and the closing [DONE]."""
+    if not line.startswith(b"data: "):
+        return None
+    payload = line[6:].rstrip()
+    return None if payload == b"[DONE]" else payload
+
+
+async def one_request(client: aiohttp.ClientSession, body: dict, keep_text: bool = False) -> dict:
     """One streamed chat request: latency, time to first token, tokens, the usage's prompt and cached prompt
-    tokens; with `keep_text`, the answer's text too."""
+    tokens; with `keep_text`, the answer's text too. Events after the first token are parsed only when they may
+    carry an error or the usage (or the text is kept): the counts come from the usage."""
     t0 = time.perf_counter()
     ttft, tokens, error, usage, text = None, 0, None, {}, []
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+        async with client.post("/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                error = f"HTTP {r.status}: {(await r.read()).decode()[:200]}"
             else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                async for line in r.content:
+                    payload = data_event(line)
+                    if payload is None:
                         continue
-                    event = json.loads(line[6:])
+                    if ttft is not None and not keep_text and b'"usage"' not in payload and b'"error"' not in payload:
+                        continue
+                    event = json.loads(payload)
                     if "error" in event:
                         error = event["error"]["message"]
                     elif event.get("usage"):
@@ -62,7 +89,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, keep_text: bool = F
                             ttft = time.perf_counter() - t0
                         if keep_text:
                             text.extend(c["delta"].get("content") or "" for c in event["choices"])
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         error = f"{type(e).__name__}: {e}"
     out = {"latency_s": time.perf_counter() - t0, "ttft_s": ttft, "tokens": tokens, "error": error,
            "prompt_tokens": usage.get("prompt_tokens", 0),
@@ -80,8 +107,8 @@ async def run_conversations(url: str, conversations: list[tuple[str, str]], conc
     (castspec.prefix_cache)."""
     turns: dict[int, list[dict]] = {1: [], 2: []}
     queue = list(reversed(conversations))
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
-        t0 = time.perf_counter()
+    async with session(url) as client:
+        t0, cpu0 = time.perf_counter(), time.thread_time()
 
         async def worker():
             while queue and time.perf_counter() - t0 < time_limit:
@@ -94,8 +121,8 @@ async def run_conversations(url: str, conversations: list[tuple[str, str]], conc
                     turns[2].append(await one_request(client, chat_body(chat, max_tokens)))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    report = {"conversations": len(turns[1]), "wall_s": wall}
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    report = {"conversations": len(turns[1]), "wall_s": wall, "client_cpu_s": cpu}
     for t, results in turns.items():
         ok = [r for r in results if r["error"] is None]
         ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -120,9 +147,9 @@ async def run_load(url: str, messages: list[list[dict]], concurrency: int, reque
     """Send `requests` chat requests (cycling through `messages`); stop submitting after `time_limit` s."""
     bodies = [chat_body(messages[i % len(messages)], max_tokens) for i in range(requests)]
     results: list[dict] = []
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
-        before = (await client.get("/metrics", params={"format": "json"})).json()
-        t0 = time.perf_counter()
+    async with session(url) as client:
+        before = await metrics_json(client)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if rate is None:  # fixed concurrency: B clients, each sends its next request when the last one ends
             queue = list(reversed(bodies))
 
@@ -140,8 +167,8 @@ async def run_load(url: str, messages: list[list[dict]], concurrency: int, reque
                 tasks.append(asyncio.create_task(one_request(client, body)))
                 await asyncio.sleep(rng.expovariate(rate))
             results = list(await asyncio.gather(*tasks))
-        wall = time.perf_counter() - t0
-        after = (await client.get("/metrics", params={"format": "json"})).json()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        after = await metrics_json(client)
     ok = [r for r in results if r["error"] is None]
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -157,6 +184,8 @@ async def run_load(url: str, messages: list[list[dict]], concurrency: int, reque
         "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],
         "prefix_hit_tokens": after.get("prefix_hit_tokens", 0) - before.get("prefix_hit_tokens", 0), "errors": [r["error"] for r in results if r["error"]][:5],
         "tokens": tokens, "wall_s": wall, "goodput_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        # the load generator's own CPU time (its thread's), taken from the cores the server runs on
+        "client_cpu_s": cpu,
         "p50_latency_s": percentile(lat, 50), "p99_latency_s": percentile(lat, 99),
         "p50_ttft_s": percentile(ttft, 50), "p99_ttft_s": percentile(ttft, 99),
         "mean_committed_per_round": sum((int(k) + 1) * v for k, v in verified.items()) / max(rounds_v, 1),
@@ -209,38 +238,34 @@ def soak_plan(messages: list[list[dict]], cfg: SoakConfig) -> list[dict]:
     return plan
 
 
-async def soak_request(client: httpx.AsyncClient, item: dict) -> dict:
+async def soak_request(client: aiohttp.ClientSession, item: dict) -> dict:
     """One request of the plan: status "ok", "abandoned", "rejected" (429) or "error", latency and tokens."""
     t0 = time.perf_counter()
     out = {"status": "ok", "error": None, "ttft_s": None, "tokens": 0, "stream": item["body"]["stream"]}
     try:
-        if not item["body"]["stream"]:
-            r = await client.post(item["path"], json=item["body"])
-            if r.status_code == 200:
-                out["tokens"] = r.json()["usage"]["completion_tokens"]
+        async with client.post(item["path"], json=item["body"]) as r:
+            if r.status != 200:
+                out.update(status="rejected" if r.status == 429 else "error",
+                           error=f"HTTP {r.status}: {(await r.read()).decode()[:200]}")
+            elif not item["body"]["stream"]:
+                out["tokens"] = (await r.json())["usage"]["completion_tokens"]
             else:
-                out.update(status="rejected" if r.status_code == 429 else "error",
-                           error=f"HTTP {r.status_code}: {r.text[:200]}")
-        else:
-            async with client.stream("POST", item["path"], json=item["body"]) as r:
-                if r.status_code != 200:
-                    out.update(status="rejected" if r.status_code == 429 else "error",
-                               error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
-                else:
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        if out["ttft_s"] is None:
-                            out["ttft_s"] = time.perf_counter() - t0
-                        if item["abandon"]:
-                            out["status"] = "abandoned"
-                            break  # leaving the block closes the connection mid-stream
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            out.update(status="error", error=event["error"]["message"])
-                        elif event.get("usage"):
-                            out["tokens"] = event["usage"]["completion_tokens"]
-    except httpx.HTTPError as e:
+                async for line in r.content:
+                    payload = data_event(line)
+                    if payload is None:
+                        continue
+                    if out["ttft_s"] is None:
+                        out["ttft_s"] = time.perf_counter() - t0
+                    if item["abandon"]:
+                        out["status"] = "abandoned"
+                        r.close()  # the connection closes mid-stream, as a client that leaves does
+                        break
+                    event = json.loads(payload)
+                    if "error" in event:
+                        out.update(status="error", error=event["error"]["message"])
+                    elif event.get("usage"):
+                        out["tokens"] = event["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         out.update(status="error", error=f"{type(e).__name__}: {e}")
     out["latency_s"] = time.perf_counter() - t0
     return out
@@ -253,10 +278,9 @@ async def run_soak(url: str, messages: list[list[dict]], cfg: SoakConfig) -> dic
     plan = list(reversed(soak_plan(messages, cfg)))
     results: list[dict] = []
     samples: list[dict] = []
-    limits = httpx.Limits(max_connections=cfg.concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with session(url, connections=cfg.concurrency + 4) as client:
         async def metrics() -> dict:
-            return (await client.get("/metrics", params={"format": "json"})).json()
+            return await metrics_json(client)
 
         before = await metrics()
         t0 = time.perf_counter()
