@@ -72,6 +72,9 @@ DATA17I=${DATA17I:-data/smollm2-bf16-instr-s12}
 DATA17F=${DATA17F:-data/smollm2-bf16-instr-followup-s12}
 RUN17=${RUN17:-runs/drafter-smollm2-v22}
 STEPS17=${STEPS17:-600}
+# leg 18 (v23): v22 continued for longer on legs 16 and 17's six datasets at once (no new data)
+RUN18=${RUN18:-runs/drafter-smollm2-v23}
+STEPS18=${STEPS18:-1600}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -153,7 +156,12 @@ $CLI train-drafter --data "$DATA16I,$DATA16IT,$DATA16,$DATA16T" --out "$RUN16" -
 $CLI train-drafter --data "$DATA17I,$DATA17F,$DATA16" --out "$RUN17" --layers 3 --block-size 8 --seqs-per-step 4 \
     --anchors 128 --lr 1e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN16/drafter" \
     --draft-vocab "$RUN16/drafter" --steps "$STEPS17" --checkpoint-every 25 --export-every 600 --eval-per-domain 4
-# 15. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 15. leg 18: v22 continued for longer on every dataset of legs 16 and 17 (each seen less than once before)
+$CLI train-drafter --data "$DATA16I,$DATA16IT,$DATA17I,$DATA17F,$DATA16,$DATA16T" --out "$RUN18" --layers 3 \
+    --block-size 8 --seqs-per-step 4 --anchors 128 --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones \
+    --init-from "$RUN17/drafter" --draft-vocab "$RUN17/drafter" --steps "$STEPS18" --checkpoint-every 25 \
+    --export-every 800 --eval-per-domain 4
+# 16. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN17/drafter/config.json" "$RUN17/drafter/model.safetensors" "$RUN17/drafter/draft_vocab.safetensors" \
+cp "$RUN18/drafter/config.json" "$RUN18/drafter/model.safetensors" "$RUN18/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
