@@ -44,6 +44,7 @@ def chat_body(messages: list[dict], max_tokens: int) -> dict:
 
 
 def session(url: str, connections: int = 100) -> aiohttp.ClientSession:
+    """The load generators' client for the server at `url`: at most `connections` open at once."""
     return aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600.0),
                                  connector=aiohttp.TCPConnector(limit=connections))
 
@@ -279,10 +280,7 @@ async def run_soak(url: str, messages: list[list[dict]], cfg: SoakConfig) -> dic
     results: list[dict] = []
     samples: list[dict] = []
     async with session(url, connections=cfg.concurrency + 4) as client:
-        async def metrics() -> dict:
-            return await metrics_json(client)
-
-        before = await metrics()
+        before = await metrics_json(client)
         t0 = time.perf_counter()
 
         def sample(snap: dict) -> None:
@@ -292,7 +290,7 @@ async def run_soak(url: str, messages: list[list[dict]], cfg: SoakConfig) -> dic
 
         async def sampler():
             while True:
-                sample(await metrics())
+                sample(await metrics_json(client))
                 await asyncio.sleep(cfg.sample_every)
 
         async def worker():
@@ -304,10 +302,10 @@ async def run_soak(url: str, messages: list[list[dict]], cfg: SoakConfig) -> dic
         wall = time.perf_counter() - t0
         watch.cancel()
         settle = time.perf_counter()  # abandoned requests leave at the next round boundary
-        after = await metrics()
+        after = await metrics_json(client)
         while (after["active"] or after["queued"]) and time.perf_counter() - settle < 30:
             await asyncio.sleep(0.2)
-            after = await metrics()
+            after = await metrics_json(client)
         sample(after)
     return soak_report(results, samples, before, after, wall, cfg)
 
