@@ -75,6 +75,15 @@ STEPS17=${STEPS17:-600}
 # leg 18 (v23): v22 continued for longer on legs 16 and 17's six datasets at once (no new data)
 RUN18=${RUN18:-runs/drafter-smollm2-v23}
 STEPS18=${STEPS18:-1600}
+# leg 19 (v24, not shipped on its own): v23 continued on new instructions (seed 13), a second turn after each of
+# leg 17's instruction answers, leg 17's second turns and the seed-8 data
+DATA19I=${DATA19I:-data/smollm2-bf16-instr-s13}
+DATA19F=${DATA19F:-data/smollm2-bf16-instr-followup-s13}
+RUN19=${RUN19:-runs/drafter-smollm2-v24}
+STEPS19=${STEPS19:-900}
+# leg 20 (v25): v24 continued on every dataset of legs 16-19 at once, the seed-8 data (code and math) listed twice
+RUN20=${RUN20:-runs/drafter-smollm2-v25}
+STEPS20=${STEPS20:-1500}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -96,6 +105,8 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA16T" --batch-size 24 --seed 9 --temperature 1.0 --max-prompts 1000
   $CLI make-data --out "$DATA17I" --batch-size 24 --seed 12 --prompts instructions
   $CLI make-data --out "$DATA17F" --batch-size 24 --seed 12 --follow-up "$DATA16I"
+  $CLI make-data --out "$DATA19I" --batch-size 24 --seed 13 --prompts instructions
+  $CLI make-data --out "$DATA19F" --batch-size 24 --seed 13 --follow-up "$DATA17I"
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -161,7 +172,16 @@ $CLI train-drafter --data "$DATA16I,$DATA16IT,$DATA17I,$DATA17F,$DATA16,$DATA16T
     --block-size 8 --seqs-per-step 4 --anchors 128 --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones \
     --init-from "$RUN17/drafter" --draft-vocab "$RUN17/drafter" --steps "$STEPS18" --checkpoint-every 25 \
     --export-every 800 --eval-per-domain 4
-# 16. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 16. leg 19: v23 at leg 17's peak on the seed-13 instructions, their second turns, leg 17's and the seed-8 data
+$CLI train-drafter --data "$DATA19I,$DATA19F,$DATA17F,$DATA16" --out "$RUN19" --layers 3 --block-size 8 \
+    --seqs-per-step 4 --anchors 128 --lr 1e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN18/drafter" \
+    --draft-vocab "$RUN18/drafter" --steps "$STEPS19" --checkpoint-every 25 --export-every 900 --eval-per-domain 4
+# 17. leg 20: v24 continued on all eight datasets at once, the seed-8 data twice (code and math keep their share)
+$CLI train-drafter --data "$DATA16I,$DATA16IT,$DATA17I,$DATA17F,$DATA19I,$DATA19F,$DATA16,$DATA16,$DATA16T" \
+    --out "$RUN20" --layers 3 --block-size 8 --seqs-per-step 4 --anchors 128 --lr 1.2e-4 --gamma 3 --kl-weight 0.5 \
+    --norm-init ones --init-from "$RUN19/drafter" --draft-vocab "$RUN19/drafter" --steps "$STEPS20" \
+    --checkpoint-every 25 --export-every 750 --eval-per-domain 4
+# 18. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN18/drafter/config.json" "$RUN18/drafter/model.safetensors" "$RUN18/drafter/draft_vocab.safetensors" \
+cp "$RUN20/drafter/config.json" "$RUN20/drafter/model.safetensors" "$RUN20/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
