@@ -10,6 +10,7 @@ and `cost` also picks M from the profiled cost of the whole batched verify (Prop
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -146,7 +147,11 @@ class CostAware(Policy):
     would switch drafting off for long stretches on which drafting pays. Hence: every request drafts its first
     `min_drafted` rounds; draft-or-not uses a slow estimate of drafted throughput (`decision_momentum`, about
     20 request-rounds; the width rule keeps its own faster lambda); tries are bursts whose mean weighs half of
-    the estimate. Under load all three count request-rounds, not rounds: a round of B requests is already an
+    the estimate; and drafting goes on while the estimate plus `confidence` standard errors (from the spread of
+    the rounds it averages) beats plain rounds. Without that margin a few unlucky rounds at an answer's start,
+    where a drafter whose margin over plain rounds is thin (chat) commits less, switch drafting off for most of
+    the answer; with it, a drafter that clearly loses still stops within a few rounds, and one that loses by
+    less than the margin keeps drafting at that small loss. Under load all three count request-rounds, not rounds: a round of B requests is already an
     average of B outcomes, and its trees cost far more than one request's. The first drafted round enters no
     estimate: its drafter pass also reads the whole prompt's features, so it costs more than later passes; nor
     does a round that also prefills a newcomer's prompt (`run_round` gives the policy no update for it). Widths
@@ -166,7 +171,8 @@ class CostAware(Policy):
 
     def __init__(self, rule: RoundWidth, top_k_per_position: int = 8, explore_every: int = 8, momentum: float = 0.8,
                  max_explore_every: int = 64, decision_momentum: float = 0.95, min_drafted: int = 6,
-                 try_rounds: int = 3, block_rows: int | None = None, max_explore_loaded: int = 256):
+                 try_rounds: int = 3, block_rows: int | None = None, max_explore_loaded: int = 256,
+                 confidence: float = 1.0):
         self.rule, self.top_k_per_position = rule, top_k_per_position
         self.block_rows = block_rows  # rows of one request's drafter block: prices a batched pass (draft_could_pay)
         self.explore_every, self.momentum = explore_every, momentum
@@ -176,13 +182,18 @@ class CostAware(Policy):
         self.max_explore_loaded = max(max_explore_loaded, max_explore_every)
         self.decision_momentum, self.min_drafted, self.try_rounds = decision_momentum, min_drafted, try_rounds
         self.draft_rate: float | None = None  # committed tokens per ms of drafted rounds (slow EMA)
+        # the same average of the rounds' squared rates, and the sum of the squared weights of the rounds in it
+        # (1 / that sum: how many rounds the average is worth): the estimate's standard error
+        self.draft_sq: float | None = None
+        self.draft_weights = 0.0
+        self.confidence = confidence
         self.plain_rate: float | None = None  # committed tokens per ms of rounds without a draft
         # evidence is counted in request-rounds (one request's outcome in one round): a round of B requests
         # averages B outcomes, so burn-in, tries and the estimate's memory shrink with the batch in rounds
         self.drafted = 0  # drafted request-rounds so far
         self.rated = 0  # drafted request-rounds in draft_rate outside tries
         self.skipped = 0  # plain rounds since the last drafted one
-        self.burst: list[float] | None = None  # [request-rounds left, committed, ms] of a running try
+        self.burst: list[float] | None = None  # [request-rounds left, committed, ms, sum of squared rates, rounds]
         self.batch = 1  # requests in the last drafted round
         self.nodes = 0  # tree nodes the last drafted round verified, over all its requests
         # per drafting request in a drafted round (EMA): tokens committed and tree nodes verified
@@ -264,7 +275,22 @@ class CostAware(Policy):
             # measure one plain round before comparing: until then the plain rate is the profile's guess, and
             # a profile probed on a busy machine would otherwise keep a losing draft forever
             return False
-        return self.draft_rate >= self._plain_rate()
+        return self._draft_upper() >= self._plain_rate()
+
+    def _draft_upper(self) -> float:
+        """The drafted rate's estimate plus `confidence` standard errors of it."""
+        spread = max(self.draft_sq - self.draft_rate ** 2, 0.0) if self.draft_sq is not None else 0.0
+        return self.draft_rate + self.confidence * math.sqrt(spread * self.draft_weights)
+
+    def _blend(self, rate: float, square: float, weight: float, rounds: int = 1) -> None:
+        """Mix a new mean of `rounds` rounds' rates (and of their squares) into the estimate with `weight`."""
+        if self.draft_rate is None:
+            self.draft_rate, self.draft_sq, self.draft_weights = rate, square, 1.0 / rounds
+            return
+        keep = 1.0 - weight
+        self.draft_rate = keep * self.draft_rate + weight * rate
+        self.draft_sq = keep * self.draft_sq + weight * square
+        self.draft_weights = keep * keep * self.draft_weights + weight * weight / rounds
 
     def allocate(self, logprobs, prefixes, supports=None):
         cap = self.max_nodes(logprobs[0].shape[0]) if logprobs else 0
@@ -313,7 +339,7 @@ class CostAware(Policy):
                 self.plain_rates[batch] = _ema(self.plain_rates.get(batch), rate, self.momentum)
                 self.plain_seen[batch_bucket(batch)] = self.plain_seen.get(batch_bucket(batch), 0) + 1
             if self.skipped >= self.explore_every and self.burst is None:
-                self.burst = [self.try_rounds, 0.0, 0.0]  # due; under load should_draft may hold it back
+                self.burst = [self.try_rounds, 0.0, 0.0, 0.0, 0]  # due; under load should_draft may hold it back
             return
         first = self.drafted == 0
         self.drafted += self.batch
@@ -334,17 +360,19 @@ class CostAware(Policy):
             self.rated += self.batch
             # a plain mean until it holds ~20 request-rounds, then an EMA with that memory
             m = min(self.decision_momentum ** self.batch, 1 - self.batch / self.rated)
-            self.draft_rate = _ema(self.draft_rate, rate, m)
-            if self.draft_rate >= self._plain_rate():
+            self._blend(rate, rate * rate, 1 - m)
+            if self._draft_upper() >= self._plain_rate():
                 self.explore_every = self.min_explore
             return
-        self.burst = [self.burst[0] - self.batch, self.burst[1] + committed, self.burst[2] + round_ms]
+        b = self.burst
+        self.burst = [b[0] - self.batch, b[1] + committed, b[2] + round_ms, b[3] + rate * rate, b[4] + 1]
         if self.burst[0] > 0:
             return
-        tried = self.burst[1] / max(self.burst[2], 1e-6)
+        _, burst_tokens, burst_ms, squares, rounds = self.burst
+        tried = burst_tokens / max(burst_ms, 1e-6)
         self.burst = None
-        self.draft_rate = tried if self.draft_rate is None else 0.5 * self.draft_rate + 0.5 * tried
-        if self.draft_rate >= self._plain_rate():
+        self._blend(tried, squares / rounds, 0.5, rounds)
+        if self._draft_upper() >= self._plain_rate():
             self.explore_every = self.min_explore
         elif tried < self._plain_rate():  # a try that lost on its own: wait longer before the next
             self.explore_every = min(2 * self.explore_every, self.max_explore)

@@ -325,10 +325,28 @@ def test_cost_policy_stops_drafting_when_plain_rounds_are_faster():
     assert policy.should_draft() and policy.explore_every == 4
 
 
+@pytest.mark.parametrize("trace,confidence,drafts", [
+    ([2, 1, 2, 1, 1], 1.0, True),  # a thin margin, an unlucky start: the estimate's error keeps it drafting
+    ([2, 1, 2, 1, 1], 0.0, False),  # the estimate alone stops it
+    ([1, 1, 2, 1, 1], 1.0, False),  # a drafter that clearly loses stops even with the margin
+])
+def test_cost_policy_keeps_drafting_while_its_estimate_is_uncertain(trace, confidence, drafts):
+    # drafted rounds of 8.5 ms against 5.6 ms plain ones: drafting breaks even at 1.52 tokens a round, about what
+    # a chat answer's drafted rounds commit; its first rounds commit less
+    policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), confidence=confidence)
+    policy.update(2, 20.0)  # the first drafted round, left out
+    for committed in trace:
+        assert policy.should_draft()
+        policy.update(committed, 8.5)
+    policy.update(1, 5.6, drafted=False)  # the one plain round that measures the alternative
+    assert policy.should_draft() == drafts
+
+
 def test_cost_policy_keeps_its_back_off_after_a_try_that_wins_alone():
     # a burst that beats plain rounds on its own does not double the gap, even if the estimate stays below
+    # (the estimate alone decides here: no margin for its standard error)
     policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4, min_drafted=2,
-                       try_rounds=1)
+                       try_rounds=1, confidence=0.0)
     policy.update(1, 200.0)
     policy.update(1, 100.0)  # 0.01 tokens/ms
     for _ in range(4):
