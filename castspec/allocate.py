@@ -151,8 +151,9 @@ class CostAware(Policy):
     the rounds it averages) beats plain rounds. Without that margin a few unlucky rounds at an answer's start,
     where a drafter whose margin over plain rounds is thin (chat) commits less, switch drafting off for most of
     the answer; with it, a drafter that clearly loses still stops within a few rounds, and one that loses by
-    less than the margin keeps drafting at that small loss. Under load all three count request-rounds, not rounds: a round of B requests is already an
-    average of B outcomes, and its trees cost far more than one request's. The first drafted round enters no
+    less than the margin keeps drafting at that small loss. Under load burn-in, estimate and tries count
+    request-rounds, not rounds: a round of B requests is already an average of B outcomes, and its trees cost
+    far more than one request's. The first drafted round enters no
     estimate: its drafter pass also reads the whole prompt's features, so it costs more than later passes; nor
     does a round that also prefills a newcomer's prompt (`run_round` gives the policy no update for it). Widths
     read lambda no lower than the measured plain rate: a node that does not beat plain rounds does not pay.
