@@ -280,7 +280,7 @@ class CostAware(Policy):
 
     def _draft_upper(self) -> float:
         """The drafted rate's estimate plus `confidence` standard errors of it."""
-        spread = max(self.draft_sq - self.draft_rate ** 2, 0.0) if self.draft_sq is not None else 0.0
+        spread = max(self.draft_sq - self.draft_rate ** 2, 0.0)  # set with draft_rate (_blend)
         return self.draft_rate + self.confidence * math.sqrt(spread * self.draft_weights)
 
     def _blend(self, rate: float, square: float, weight: float, rounds: int = 1) -> None:

@@ -62,6 +62,11 @@ def data_event(line: bytes) -> bytes | None:
     return None if payload == b"[DONE]" else payload
 
 
+async def http_error(r: aiohttp.ClientResponse) -> str:
+    """A refused response's status and the start of the server's message."""
+    return f"HTTP {r.status}: {(await r.read()).decode()[:200]}"
+
+
 async def one_request(client: aiohttp.ClientSession, body: dict, keep_text: bool = False) -> dict:
     """One streamed chat request: latency, time to first token, tokens, the usage's prompt and cached prompt
     tokens; with `keep_text`, the answer's text too. Events after the first token are parsed only when they may
@@ -71,7 +76,7 @@ async def one_request(client: aiohttp.ClientSession, body: dict, keep_text: bool
     try:
         async with client.post("/v1/chat/completions", json=body) as r:
             if r.status != 200:
-                error = f"HTTP {r.status}: {(await r.read()).decode()[:200]}"
+                error = await http_error(r)
             else:
                 async for line in r.content:
                     payload = data_event(line)
@@ -247,7 +252,7 @@ async def soak_request(client: aiohttp.ClientSession, item: dict) -> dict:
         async with client.post(item["path"], json=item["body"]) as r:
             if r.status != 200:
                 out.update(status="rejected" if r.status == 429 else "error",
-                           error=f"HTTP {r.status}: {(await r.read()).decode()[:200]}")
+                           error=await http_error(r))
             elif not item["body"]["stream"]:
                 out["tokens"] = (await r.json())["usage"]["completion_tokens"]
             else:
