@@ -128,6 +128,17 @@ def _ema(old: float | None, value: float, momentum: float) -> float:
     return value if old is None else momentum * old + (1 - momentum) * value
 
 
+@dataclass
+class Try:
+    """A running try of drafting (CostAware): request-rounds left, and what its rounds have done so far."""
+
+    left: int
+    tokens: float = 0.0  # committed
+    ms: float = 0.0
+    squares: float = 0.0  # the sum of its rounds' squared rates (tokens per ms)
+    rounds: int = 0
+
+
 def batch_bucket(batch: int) -> int:
     """Batches measured together by the cost policy: 2, 3-4, 5-8, 9-16, ... (the next power of two)."""
     return 1 << max(batch - 1, 0).bit_length()
@@ -194,7 +205,7 @@ class CostAware(Policy):
         self.drafted = 0  # drafted request-rounds so far
         self.rated = 0  # drafted request-rounds in draft_rate outside tries
         self.skipped = 0  # plain rounds since the last drafted one
-        self.burst: list[float] | None = None  # [request-rounds left, committed, ms, sum of squared rates, rounds]
+        self.burst: Try | None = None  # a try that is due or running
         self.batch = 1  # requests in the last drafted round
         self.nodes = 0  # tree nodes the last drafted round verified, over all its requests
         # per drafting request in a drafted round (EMA): tokens committed and tree nodes verified
@@ -252,7 +263,7 @@ class CostAware(Policy):
             # drafting (run_round gives it no update): drafting there would go on the prior for good, and it sets
             # the decoding requests apart, so their successors' prompts are read in more rounds
             return False
-        if self.burst is not None and (batch == 1 or self.burst[2] > 0):
+        if self.burst is not None and (batch == 1 or self.burst.ms > 0):
             return True  # a try that is due (one request), or one that has begun
         if batch > 1:
             bucket = batch_bucket(batch)
@@ -276,6 +287,10 @@ class CostAware(Policy):
             # measure one plain round before comparing: until then the plain rate is the profile's guess, and
             # a profile probed on a busy machine would otherwise keep a losing draft forever
             return False
+        return self._drafting_pays()
+
+    def _drafting_pays(self) -> bool:
+        """Whether drafted rounds' rate, plus `confidence` standard errors of its estimate, beats plain rounds'."""
         return self._draft_upper() >= self._plain_rate()
 
     def _draft_upper(self) -> float:
@@ -340,7 +355,7 @@ class CostAware(Policy):
                 self.plain_rates[batch] = _ema(self.plain_rates.get(batch), rate, self.momentum)
                 self.plain_seen[batch_bucket(batch)] = self.plain_seen.get(batch_bucket(batch), 0) + 1
             if self.skipped >= self.explore_every and self.burst is None:
-                self.burst = [self.try_rounds, 0.0, 0.0, 0.0, 0]  # due; under load should_draft may hold it back
+                self.burst = Try(self.try_rounds)  # due; under load should_draft may hold it back
             return
         first = self.drafted == 0
         self.drafted += self.batch
@@ -362,18 +377,21 @@ class CostAware(Policy):
             # a plain mean until it holds ~20 request-rounds, then an EMA with that memory
             m = min(self.decision_momentum ** self.batch, 1 - self.batch / self.rated)
             self._blend(rate, rate * rate, 1 - m)
-            if self._draft_upper() >= self._plain_rate():
+            if self._drafting_pays():
                 self.explore_every = self.min_explore
             return
         b = self.burst
-        self.burst = [b[0] - self.batch, b[1] + committed, b[2] + round_ms, b[3] + rate * rate, b[4] + 1]
-        if self.burst[0] > 0:
+        b.left -= self.batch
+        b.tokens += committed
+        b.ms += round_ms
+        b.squares += rate * rate
+        b.rounds += 1
+        if b.left > 0:
             return
-        _, burst_tokens, burst_ms, squares, rounds = self.burst
-        tried = burst_tokens / max(burst_ms, 1e-6)
+        tried = b.tokens / max(b.ms, 1e-6)
         self.burst = None
-        self._blend(tried, squares / rounds, 0.5, rounds)
-        if self._draft_upper() >= self._plain_rate():
+        self._blend(tried, b.squares / b.rounds, 0.5, b.rounds)
+        if self._drafting_pays():
             self.explore_every = self.min_explore
         elif tried < self._plain_rate():  # a try that lost on its own: wait longer before the next
             self.explore_every = min(2 * self.explore_every, self.max_explore)
