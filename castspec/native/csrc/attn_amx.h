@@ -27,8 +27,10 @@ typedef struct {
     float *s;       /* [16, S32] scores, then exp */
     uint16_t *p;    /* [2, 16, S32] exp as hi | lo bf16 */
     uint16_t *qa;   /* [2, 16, d] the queries as hi | lo bf16 */
-    uint16_t *kt;   /* [d / 32, 16, 32] a group's key tiles */
-    uint16_t *vp;   /* [16, 128] a chunk's value tiles (64 columns) */
+    uint16_t *kt;   /* [d / 32, 16, 32] a gathered group's key tiles */
+    uint16_t *vp;   /* [16, 128] a gathered chunk's value tiles (64 columns) */
+    uint16_t *kts;  /* [S32 / 16][d / 32, 16, 32] the key tiles of the cache's leading groups (TileCache) */
+    uint16_t *vps;  /* [S32 / 32][d / 64][16, 128] the value tiles of its leading chunks */
     uint16_t *rows; /* [32, d] gathered keys or values */
     float *cb;      /* [16, 64] sums after the joint chunks */
     float *tmp;     /* [16, 64] a tile's sums */
@@ -42,6 +44,8 @@ static AmxAttnScratch amx_attn_scratch(Arena *a, int S32, int d) {
     w.qa = take(a, sizeof(uint16_t) * 32 * (size_t)d);
     w.kt = take(a, sizeof(uint16_t) * 16 * (size_t)d);
     w.vp = take(a, sizeof(uint16_t) * 16 * 128);
+    w.kts = take(a, sizeof(uint16_t) * (size_t)S32 * d);
+    w.vps = take(a, sizeof(uint16_t) * (size_t)S32 * d);
     w.rows = take(a, sizeof(uint16_t) * 32 * (size_t)d);
     w.cb = take(a, sizeof(float) * 16 * 64);
     w.tmp = take(a, sizeof(float) * 16 * 64);
@@ -54,6 +58,14 @@ static inline int64_t amx_attn_floats(int S32, int d) {
     amx_attn_scratch(&a, S32, d);
     return (int64_t)(a.used / sizeof(float));
 }
+
+/* Which tiles of kts / vps hold what: those of the key/value head at K (one layer's, one head's slots) for its
+ * first `keys` groups of 16 slots and first `values` chunks of 32. A thread's blocks of the same cache and head
+ * (a tree's 16 rows are four blocks of five) read the prefix through these instead of transposing it again. */
+typedef struct {
+    const uint16_t *K;
+    int keys, values;
+} TileCache;
 
 #ifdef CASTSPEC_AVX512
 
@@ -139,25 +151,25 @@ static void gather_rows(const uint16_t *base, const RowAttn *a, int j0, int w16,
 
 /* C tile 0 = scores of the block's 16 query rows (qa, hi and lo) against the 16 keys of kt, summed in one order
  * (per 32 dimensions: hi, then lo). */
-AMX static inline void score_tile(const AmxAttnScratch *w, int d) {
+AMX static inline void score_tile(const AmxAttnScratch *w, const uint16_t *kt, int d) {
     __asm__ volatile("" ::: "memory"); /* tile loads are asm that names no memory: the tiles' stores land first */
     _tile_zero(0);
     for (int s = 0; s < d / 32; ++s) {
         _tile_loadd(4, w->qa + 32 * s, 2 * d);
         _tile_loadd(5, w->qa + 16 * d + 32 * s, 2 * d);
-        _tile_loadd(6, w->kt + 512 * s, 64);
+        _tile_loadd(6, kt + 512 * s, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(0, 5, 6);
     }
 }
 
-/* C tiles 0-3 += weights of chunk c (keys 32c .. 32c + 32 of every row of p, hi then lo) x the value tiles. */
-AMX static inline void weigh_tile(const AmxAttnScratch *w, int S32, int c) {
+/* C tiles 0-3 += weights of chunk c (keys 32c .. 32c + 32 of every row of p, hi then lo) x the value tiles vp. */
+AMX static inline void weigh_tile(const AmxAttnScratch *w, const uint16_t *vp, int S32, int c) {
     __asm__ volatile("" ::: "memory");
     _tile_loadd(4, w->p + 32 * c, 2 * S32);
     _tile_loadd(5, w->p + 16 * (int64_t)S32 + 32 * c, 2 * S32);
     for (int k = 0; k < 4; ++k) {
-        _tile_loadd(6, w->vp + 32 * k, 256);
+        _tile_loadd(6, vp + 32 * k, 256);
         switch (k) { /* tile numbers are immediates */
         case 0: _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 6); break;
         case 1: _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(1, 5, 6); break;
@@ -186,11 +198,13 @@ AMX static inline void load_sums(const float *from) {
 /* Attention of `nb` rows (rows[0..nb), one cache) for the `G` query heads h0 .. h0 + G that share key/value head
  * `kvh` (nb * G <= 16): queries at q + r * ldq + h * d, outputs at out + r * nq + h * d. */
 AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb, int kvh, int G, int h0,
-                                      const float *q, int64_t ldq, int S32, const AmxAttnScratch *w, float *out) {
+                                      const float *q, int64_t ldq, int S32, const AmxAttnScratch *w, TileCache *tc,
+                                      float *out) {
     const int d = m->head_dim, nq = m->heads * d, Q = nb * G;
     const float scale = 1.f / sqrtf((float)d);
     const int64_t at = kvh * rows[0].head_stride;
     const uint16_t *K = (const uint16_t *)rows[0].K + at, *V = (const uint16_t *)rows[0].V + at;
+    if (tc->K != K) *tc = (TileCache){K, 0, 0};
     /* Chunks of 32 keys computed for every row of the block at once. Where each row sees slots 0, 1, 2, ... up
      * to its own end (a prompt chunk's rows, a decode step): every chunk up to the longest row's end, read
      * straight from the cache up to its last whole chunk (`direct`), the rest gathered with zeros past that
@@ -217,24 +231,30 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
     }
     /* scores: the joint chunks for every query row, then each row's own */
     for (int g = 0; g < 2 * joint && 16 * g < longest; ++g) {
+        const uint16_t *kt = w->kt;
         if (g < 2 * direct) {
-            /* the keys two groups on into L1 and this group's values into L2 (the weighted sum reads them next):
-             * short streams that the hardware prefetcher, still ramping up, would leave to stall the tile loads */
-            fetch_rows(K + (int64_t)16 * (g + 2) * d, g + 2 < 2 * direct ? 16 : 0, d, _MM_HINT_T0);
-            fetch_rows(V + (int64_t)16 * g * d, 16, d, _MM_HINT_T1);
-            keys_tiles(K + (int64_t)16 * g * d, d, d, w->kt);
+            kt = w->kts + (int64_t)16 * g * d;
+            if (g >= tc->keys) { /* groups are built in order: g == tc->keys */
+                /* the keys two groups on into L1 and this group's values into L2 (the weighted sum reads them
+                 * next): short streams that the hardware prefetcher, still ramping up, would leave to stall the
+                 * tile loads */
+                fetch_rows(K + (int64_t)16 * (g + 2) * d, g + 2 < 2 * direct ? 16 : 0, d, _MM_HINT_T0);
+                fetch_rows(V + (int64_t)16 * g * d, 16, d, _MM_HINT_T1);
+                keys_tiles(K + (int64_t)16 * g * d, d, d, w->kts + (int64_t)16 * g * d);
+                tc->keys = g + 1;
+            }
         } else {
             gather_rows(K, &upto, 16 * g, 16, d, w->rows);
             keys_tiles(w->rows, d, d, w->kt);
         }
-        score_tile(w, d);
+        score_tile(w, kt, d);
         _tile_stored(0, w->s + 16 * g, 4 * S32);
     }
     for (int r = 0; r < nb; ++r)
         for (int g = 2 * joint; 16 * g < rows[r].n; ++g) {
             gather_rows(K, &rows[r], 16 * g, 16, d, w->rows);
             keys_tiles(w->rows, d, d, w->kt);
-            score_tile(w, d);
+            score_tile(w, w->kt, d);
             _tile_stored(0, w->tmp, 64);
             __asm__ volatile("" ::: "memory");
             for (int i = r * G; i < (r + 1) * G; ++i) memcpy(w->s + (int64_t)i * S32 + 16 * g, w->tmp + 16 * i, 64);
@@ -274,13 +294,19 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
     for (int c0 = 0; c0 < d; c0 += 64) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int c = 0; c < joint; ++c) {
+            const uint16_t *vp = w->vp;
             if (c < direct) {
-                value_tiles(V + (int64_t)32 * c * d, d, c0, w->vp);
+                vp = w->vps + ((int64_t)c * (d / 64) + c0 / 64) * 2048;
+                if (c >= tc->values) { /* chunks are built in order, all their columns when first met */
+                    for (int b0 = 0; b0 < d; b0 += 64)
+                        value_tiles(V + (int64_t)32 * c * d, d, b0, w->vps + ((int64_t)c * (d / 64) + b0 / 64) * 2048);
+                    tc->values = c + 1;
+                }
             } else {
                 gather_rows(V, &upto, 32 * c, 32, d, w->rows);
                 value_tiles(w->rows, d, c0, w->vp);
             }
-            weigh_tile(w, S32, c);
+            weigh_tile(w, vp, S32, c);
         }
         store_sums(w->cb);
         for (int r = 0; r < nb; ++r) {
@@ -290,7 +316,7 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
                 for (int c = joint; 32 * c < rows[r].n; ++c) {
                     gather_rows(V, &rows[r], 32 * c, 32, d, w->rows);
                     value_tiles(w->rows, d, c0, w->vp);
-                    weigh_tile(w, S32, c);
+                    weigh_tile(w, w->vp, S32, c);
                 }
                 store_sums(w->tmp);
                 sums = w->tmp;
@@ -305,12 +331,16 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
 }
 
 /* layer.h's attention for M rows on AMX tiles: blocks of consecutive rows that share a cache, up to 16 / group
- * rows each, times the key/value heads, spread over the threads. scratch: amx_attn_floats(S32, d) per thread. */
+ * rows each, times the key/value heads, spread over the threads. Work items run head by head over each cache's
+ * blocks, and each thread takes a contiguous range of them (split by their keys), so that a thread's blocks of
+ * one cache and head reuse its tiles (TileCache). scratch: amx_attn_floats(S32, d) per thread. */
 AMX static void attention_amx(const StepModel *m, int M, const float *q, int64_t ldq, const RowAttn *rows,
                                    int S32, float *scratch, float *heads_out) {
-    const int d = m->head_dim, group = m->heads / m->kv_heads, per = 16 / group;
+    const int d = m->head_dim, group = m->heads / m->kv_heads, per = 16 / group, nkv = m->kv_heads;
     int *starts = malloc(sizeof(int) * (M + 1)), nblocks = 0;
-    if (!starts) abort();
+    int *order = malloc(sizeof(int) * 2 * (size_t)M * nkv); /* item i: block order[2i], head order[2i + 1] */
+    int64_t *cum = malloc(sizeof(int64_t) * ((size_t)M * nkv + 1)); /* keys of the items before item i */
+    if (!starts || !order || !cum) abort();
     for (int r = 0; r < M;) { /* blocks: consecutive rows of one cache */
         int e = r + 1;
         while (e < M && e - r < per && rows[e].K == rows[r].K) ++e;
@@ -318,21 +348,40 @@ AMX static void attention_amx(const StepModel *m, int M, const float *q, int64_t
         r = e;
     }
     starts[nblocks] = M;
-    const int items = nblocks * m->kv_heads;
+    int items = 0;
+    cum[0] = 0;
+    for (int b0 = 0; b0 < nblocks;) { /* a run of blocks of one cache, head by head */
+        int b1 = b0 + 1;
+        while (b1 < nblocks && rows[starts[b1]].K == rows[starts[b0]].K) ++b1;
+        for (int kvh = 0; kvh < nkv; ++kvh)
+            for (int b = b0; b < b1; ++b, ++items) {
+                order[2 * items] = b, order[2 * items + 1] = kvh;
+                int64_t keys = 0;
+                for (int r = starts[b]; r < starts[b + 1]; ++r) keys += rows[r].n;
+                cum[items + 1] = cum[items] + keys + 32; /* + a block's fixed work */
+            }
+        b0 = b1;
+    }
 #pragma omp parallel if (items > 1 && (int64_t)M * rows[0].n >= 64)
     {
         amx_configure();
-        Arena mine = {(char *)(scratch + (int64_t)omp_get_thread_num() * amx_attn_floats(S32, d)), 0};
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        Arena mine = {(char *)(scratch + (int64_t)t * amx_attn_floats(S32, d)), 0};
         const AmxAttnScratch w = amx_attn_scratch(&mine, S32, d);
-#pragma omp for schedule(dynamic, 1)
+        TileCache tc = {NULL, 0, 0};
         for (int it = 0; it < items; ++it) {
-            const int b = it / m->kv_heads, kvh = it % m->kv_heads, r0 = starts[b];
+            /* the thread whose share of all keys holds this item's middle: contiguous ranges */
+            const int owner = (int)((cum[it] + cum[it + 1]) * nt / (2 * cum[items]));
+            if ((owner < nt ? owner : nt - 1) != t) continue;
+            const int b = order[2 * it], kvh = order[2 * it + 1], r0 = starts[b];
             attend_block_amx(m, rows + r0, starts[b + 1] - r0, kvh, group, kvh * group, q + r0 * ldq, ldq, S32, &w,
-                             heads_out + (int64_t)r0 * m->heads * d);
+                             &tc, heads_out + (int64_t)r0 * m->heads * d);
         }
         _tile_release();
     }
     free(starts);
+    free(order);
+    free(cum);
 }
 
 #endif /* CASTSPEC_AVX512 */
