@@ -104,11 +104,10 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
         block_pos.extend(min(p, max_pos) for p in range(root_pos, root_pos + L + 1))
         segments.append(DraftSegment(st.cache, start, ctx_len, L + 1))
         st.pending = None
-    hidden = drafter.forward_segments(
-        target.embed(torch.tensor([block_ids], device=device)), torch.tensor([block_pos], device=device),
+    return drafter.propose_segments(  # one head product for all blocks
+        target, target.embed(torch.tensor([block_ids], device=device)), torch.tensor([block_pos], device=device),
         feats[0] if len(feats) == 1 else torch.cat(feats, dim=1),
-        torch.tensor([ctx_pos], dtype=torch.long, device=device), segments)
-    return drafter.block_marginals(hidden[0], depths, target)  # one head product for all blocks
+        torch.tensor([ctx_pos], dtype=torch.long, device=device), segments, depths)
 
 
 class Sequence:

@@ -2,8 +2,9 @@
 decoding finds the drafter's weights after a verify): what an A/B of the pass can see on a machine whose speed
 drifts between runs. Prints the medians (ms) as JSON.
 
-    python scripts/drafter_pass_ab.py                      # the whole pass: the fused head (panel_logprobs)
-                                                           # against panel_linear + torch's log_softmax
+    python scripts/drafter_pass_ab.py                      # the whole pass: in one native call (draft_pass),
+                                                           # as the block's call and then the head's, and with
+                                                           # panel_linear + torch's log_softmax as the head
     python scripts/drafter_pass_ab.py --base-lib OTHER.so  # draft.c's native call: this build against another
                                                            # library build of castspec (same DraftModel layout)
 Run it from outside the repository with PYTHONPATH unset, or inside it, on the checkout to measure.
@@ -56,17 +57,22 @@ def main() -> None:
 
 
 def _whole_passes(target, drafter, seq, start, feats):
-    fused = dflash.panel_logprobs
+    cls, head = type(drafter), dflash.panel_logprobs
+    one_call = cls.propose_segments
 
-    def one(head):
+    def two_calls(self, target, *args):  # draft.c's block, then the head's own native call
+        return self.block_marginals(self.forward_segments(*args[:-1])[0], args[-1], target)
+
+    def run(propose, panel):
         def go():
-            dflash.panel_logprobs = head
+            cls.propose_segments, dflash.panel_logprobs = propose, panel
             seq.draft.cache.length, seq.draft.pending = start, feats
             propose_batch(target, drafter, [seq.draft], [seq.root], [7])
-            dflash.panel_logprobs = fused
+            cls.propose_segments, dflash.panel_logprobs = one_call, head
         return go
 
-    return {"fused head": one(fused), "torch head": one(lambda *a: None)}
+    return {"one call": run(one_call, head), "block, then head": run(two_calls, head),
+            "torch head": run(two_calls, lambda *a: None)}
 
 
 def _native_calls(drafter, seq, start, feats, base_lib):

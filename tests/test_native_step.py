@@ -421,6 +421,45 @@ def test_native_drafter_pass_matches_torch(dtype):
 
 @pytest.mark.usefixtures("lib")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_drafter_pass_gives_the_bits_of_block_and_head(dtype):
+    """A pass through the draft vocabulary in one native call (draft_pass, once the drafter's native code is built
+    and checked) gives the bits of draft_block and then the head's call: log-probabilities and drafter caches."""
+    target = native_target(make_hf(llama_config(vocab=64), seed=1), dtype)
+    fused, split = (random_drafter(target, block_size=6).converted(dtype) for _ in range(2))
+    for m in (fused, split):
+        m.set_draft_vocab(torch.arange(0, 64, 2))  # a head of 32 rows, as a shipped draft vocabulary
+    g = torch.Generator().manual_seed(3)
+    width = len(fused.cfg.target_layer_ids) * target.cfg.hidden_size
+    calls = []
+    code_marginals = NativeDraft.marginals
+
+    def counting(self, *args):
+        calls.append(1)
+        return code_marginals(self, *args)
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NativeDraft, "marginals", counting)
+        # `split` runs the pass as two calls: forward_segments, then block_marginals
+        mp.setattr(split, "propose_segments", lambda target, *a: split.block_marginals(
+            split.forward_segments(*a[:-1])[0], a[-1], target))
+        states = {m: (DraftState(m, 64), DraftState(m, 64)) for m in (fused, split)}
+        for new_rows in ((6, 2), (1, 4), (3, 1)):
+            feats = [torch.randn(1, n, width, generator=g).to(dtype) for n in new_rows]
+            for pair in states.values():
+                for st, f in zip(pair, feats):
+                    st.add_context(f)
+            got = propose_batch(target, fused, list(states[fused]), [5, 9], [5, 4])
+            want = propose_batch(target, split, list(states[split]), [5, 9], [5, 4])
+            for x, y in zip(got, want):
+                assert torch.equal(x.on_support, y.on_support) and torch.equal(x.support, y.support)
+        assert len(calls) == 2, "the first pass builds the native code; the later ones run in one call"
+        for a, b in zip(states[fused], states[split]):
+            assert a.cache.length == b.cache.length
+            assert torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v)
+
+
+@pytest.mark.usefixtures("lib")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_ragged_forward_matches_torch(dtype):
     """Several requests in one forward (serving): a decode row, a packed tree and a causal prompt chunk, each on
     its own cache at its own prefix length, against the torch forward of the same segments."""

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..config import DrafterConfig
 from ..native.dispatch import NativeSwitch
 from ..native.linear import PanelPack, WeightPack, linear, panel_linear, panel_logprobs
+from ..native.pack import packable
 from ..tree import Marginals
 from .kvcache import KVCache
 from .layers import MLP, QKVProjection, RMSNorm, RotaryTable
@@ -112,13 +113,34 @@ class DFlashDrafter(nn.Module):
         """Per-request marginals of a pass over len(depths) blocks: hidden [blocks * (L + 1), H] holds each block's
         final-normed rows, its root's first; request i drafts its first depths[i] rows after the root. With a draft
         vocabulary on castspec's C library, the rows' head product and log-softmax are one native call."""
-        L1 = self.cfg.num_draft_positions + 1
-        rows = [i * L1 + j for i, d in enumerate(depths) for j in range(1, d + 1)]
+        rows = self._drafting_rows(depths)
         if self.draft_vocab is not None:
             sub = panel_logprobs(hidden, rows, self.vocab_head(target), self._sub_panels)
             if sub is not None:
                 return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
         return self.marginals(hidden[rows], target).split(depths)
+
+    def propose_segments(self, target, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
+                         ctx_pos: torch.Tensor, segments: list[DraftSegment], depths: list[int]) -> list[Marginals]:
+        """`forward_segments` and then `block_marginals` (the arguments of both): where the pass runs on draft.c
+        (once its code is built and checked, by an earlier pass) with a draft vocabulary whose head gemm.c
+        multiplies, both in one native call, the same bits without the host's work between them."""
+        code = self.backend.code_for(self, block_emb, block_pos, features, ctx_pos, segments) \
+            if self.graphs is None and self.draft_vocab is not None else None
+        if code is not None:
+            head = self.vocab_head(target)
+            if head.dtype == self.dtype and packable(head):
+                sub = code.marginals(block_emb, block_pos, features, ctx_pos, segments, self._sub_panels.get(head),
+                                     head.shape[0], self._drafting_rows(depths))
+                return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
+        hidden = self.forward_segments(block_emb, block_pos, features, ctx_pos, segments)
+        return self.block_marginals(hidden[0], depths, target)
+
+    def _drafting_rows(self, depths: list[int]) -> list[int]:
+        """The rows of a pass over len(depths) blocks whose marginals the trees read: block i's first depths[i]
+        rows after its root."""
+        L1 = self.cfg.num_draft_positions + 1
+        return [i * L1 + j for i, d in enumerate(depths) for j in range(1, d + 1)]
 
     def vocab_head(self, target) -> torch.Tensor:
         """The rows of the target's lm_head this drafter scores: the draft vocabulary's (gathered once per head

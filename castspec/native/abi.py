@@ -55,6 +55,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "argmax_rows": ([_P, _I, _I, _P], None),
     "topk_rows": ([_P, _I, _I, _I, _P, _P, _P], _I),
     "draft_logprobs": ([_I, _P, _I, _I, _P, _P, _I, _P], _I),
+    "draft_pass": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _P], _I),
 }
 
 

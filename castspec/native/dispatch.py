@@ -79,6 +79,13 @@ class NativeSwitch(nn.Module):
             self._build(model, torch_forward, args)
         return torch_forward(*args) if self._code is None else self._code.run(*args)
 
+    def code_for(self, model: nn.Module, *args) -> NativeStep | NativeDraft | None:
+        """The native code that `run(model, ..., *args)` would use, where it is already built and checked (it is
+        built by a `run`), for callers with a fused entry of their own (NativeDraft.marginals); else None."""
+        if self._code is None or torch.is_grad_enabled() or not self._kind.accepts(model, *args):
+            return None
+        return self._code
+
     def _build(self, model: nn.Module, torch_forward, call: tuple) -> None:
         """The model's native code, kept only if its self-test agrees with the torch forward."""
         self._looked_up = True

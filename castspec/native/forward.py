@@ -307,7 +307,7 @@ class NativeDraft:
 
     def __init__(self, drafter, lib):
         cfg = drafter.cfg
-        self._fn = lib.draft_block
+        self._fn, self._pass = lib.draft_block, lib.draft_pass
         keep = self._kept = _Kept()
         self._layers = _layer_array(drafter.layers, keep)
         base = StepModel(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -373,16 +373,40 @@ class NativeDraft:
         (features [C, taps * H] at ctx_pos [C]) to their caches; rows of both are split in order into
         `segments` (dflash.DraftSegment, one request each). All fp32 activations, whatever the model's dtype."""
         T, C = block_emb.shape[0], features.shape[0]
-        segs = (DraftSegment * len(segments))()
-        for i, seg in enumerate(segments):
-            need = seg.start + seg.ctx_length + seg.block_length  # the block's keys need scratch slots too
-            if need > seg.cache.capacity:
-                raise ValueError(f"drafter cache overflow: {need} slots needed, capacity {seg.cache.capacity}")
-            segs[i] = DraftSegment(seg.cache.k.data_ptr(), seg.cache.v.data_ptr(), seg.cache.capacity, seg.start,
-                                   seg.ctx_length, seg.block_length)
         out = torch.empty(T, self._hidden, dtype=torch.float32)
-        rc = self._fn(ctypes.byref(self._model), len(segments), segs, C, features.data_ptr(), ctx_pos.data_ptr(), T,
-                      block_emb.data_ptr(), block_pos.data_ptr(), out.data_ptr())
+        rc = self._fn(ctypes.byref(self._model), len(segments), _draft_segments(segments), C, features.data_ptr(),
+                      ctx_pos.data_ptr(), T, block_emb.data_ptr(), block_pos.data_ptr(), out.data_ptr())
         if rc != 0:
             raise MemoryError("native drafter pass: out of memory")
         return out
+
+    def marginals(self, block_emb, block_pos, features, ctx_pos, segments, head: torch.Tensor, vocab: int,
+                  rows: list[int]) -> torch.Tensor:
+        """The same pass as `run` (the arguments of `DFlashDrafter.forward_segments`), then its block rows `rows`
+        through the draft vocabulary's head (`head`: its packed panels, PanelPack, in the drafter's dtype; `vocab`
+        rows) as log-probabilities [len(rows), vocab] fp32, in one native call: what `run` and
+        native.linear.panel_logprobs give one after the other, bit for bit."""
+        block_emb, features = block_emb[0].float().contiguous(), features[0].float().contiguous()
+        out = torch.empty(len(rows), vocab, dtype=torch.float32)
+        rc = self._pass(ctypes.byref(self._model), len(segments), _draft_segments(segments), features.shape[0],
+                        features.data_ptr(), ctx_pos.reshape(-1).contiguous().data_ptr(), block_emb.shape[0],
+                        block_emb.data_ptr(), block_pos.reshape(-1).contiguous().data_ptr(), head.data_ptr(), vocab,
+                        (ctypes.c_int64 * len(rows))(*rows), len(rows), out.data_ptr())
+        if rc != 0:
+            raise MemoryError("native drafter pass: out of memory")
+        for seg in segments:
+            seg.cache.length = seg.start + seg.ctx_length
+        return out
+
+
+def _draft_segments(segments) -> ctypes.Array:
+    """draft.c's DraftSegment array for dflash.DraftSegments (each with a cache with room for its context and its
+    block's scratch keys)."""
+    segs = (DraftSegment * len(segments))()
+    for i, seg in enumerate(segments):
+        need = seg.start + seg.ctx_length + seg.block_length  # the block's keys need scratch slots too
+        if need > seg.cache.capacity:
+            raise ValueError(f"drafter cache overflow: {need} slots needed, capacity {seg.cache.capacity}")
+        segs[i] = DraftSegment(seg.cache.k.data_ptr(), seg.cache.v.data_ptr(), seg.cache.capacity, seg.start,
+                               seg.ctx_length, seg.block_length)
+    return segs

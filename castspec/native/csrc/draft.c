@@ -167,3 +167,19 @@ int draft_logprobs(int bf16, const void *head, int S, int H, const float *hidden
     free(arena.base);
     return 0;
 }
+
+/* A whole drafter pass in one call (NativeDraft.marginals): draft_block, then draft_logprobs of its block rows
+ * rows[0..R) through the draft vocabulary's head (packed panels [S, H] in the drafter's dtype). The same
+ * arithmetic as the two calls one after the other, without the host's work between them, which is a large share
+ * of a pass this small. out [R, S]. Returns 0, or -1 when out of memory. */
+int draft_pass(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const float *features,
+               const int64_t *ctx_pos, int T, const float *block_emb, const int64_t *block_pos, const void *head,
+               int S, const int64_t *rows, int R, float *out) {
+    const int H = dm->base.hidden;
+    float *hidden = malloc(sizeof(float) * (size_t)T * H);
+    if (!hidden) return -1;
+    int rc = draft_block(dm, nseg, segs, C, features, ctx_pos, T, block_emb, block_pos, hidden);
+    if (rc == 0) rc = draft_logprobs(dm->base.bf16, head, S, H, hidden, rows, R, out);
+    free(hidden);
+    return rc;
+}
