@@ -387,6 +387,22 @@ def test_chunked_native_calls_equal_one_call(monkeypatch):
         assert len(calls) == 1
 
 
+def _drafting_rounds(target, drafters, dtype, g):
+    """Two requests drafted in one pass (serving), with different context lengths and depths, for three rounds,
+    on each of `drafters` alike: every round's marginals per drafter (in the order given), and the drafters' draft
+    states."""
+    width = len(drafters[0].cfg.target_layer_ids) * target.cfg.hidden_size
+    states = {m: (DraftState(m, 64), DraftState(m, 64)) for m in drafters}
+    rounds = []
+    for new_rows in ((6, 2), (1, 4), (3, 1)):
+        feats = [torch.randn(1, n, width, generator=g).to(dtype) for n in new_rows]
+        for pair in states.values():
+            for st, f in zip(pair, feats):
+                st.add_context(f)
+        rounds.append([propose_batch(target, m, list(pair), [5, 9], [5, 4]) for m, pair in states.items()])
+    return rounds, states
+
+
 @pytest.mark.usefixtures("lib")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_drafter_pass_matches_torch(dtype):
@@ -397,17 +413,10 @@ def test_native_drafter_pass_matches_torch(dtype):
     fast, ref = (random_drafter(target, block_size=6).converted(dtype) for _ in range(2))
     _torch_only(ref)
     g = torch.Generator().manual_seed(2)
-    width = len(fast.cfg.target_layer_ids) * target.cfg.hidden_size
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     with torch.inference_mode():
-        # two requests drafted in one pass (serving), with different context lengths and depths
-        states = {m: (DraftState(m, 64), DraftState(m, 64)) for m in (fast, ref)}
-        for new_rows in ((6, 2), (1, 4), (3, 1)):
-            feats = [torch.randn(1, n, width, generator=g).to(dtype) for n in new_rows]
-            for pair in states.values():
-                for st, f in zip(pair, feats):
-                    st.add_context(f)
-            got, want = (propose_batch(target, m, list(pair), [5, 9], [5, 4]) for m, pair in states.items())
+        rounds, states = _drafting_rounds(target, (fast, ref), dtype, g)
+        for got, want in rounds:
             for a, b in ((x.full, y.full) for x, y in zip(got, want)):
                 assert torch.equal(torch.isfinite(a), torch.isfinite(b))
                 seen = torch.isfinite(b)
@@ -429,7 +438,6 @@ def test_one_call_drafter_pass_gives_the_bits_of_block_and_head(dtype):
     for m in (fused, split):
         m.set_draft_vocab(torch.arange(0, 64, 2))  # a head of 32 rows, as a shipped draft vocabulary
     g = torch.Generator().manual_seed(3)
-    width = len(fused.cfg.target_layer_ids) * target.cfg.hidden_size
     calls = []
     code_marginals = NativeDraft.marginals
 
@@ -442,14 +450,8 @@ def test_one_call_drafter_pass_gives_the_bits_of_block_and_head(dtype):
         # `split` runs the pass as two calls: forward_segments, then block_marginals
         mp.setattr(split, "propose_segments", lambda target, *a: split.block_marginals(
             split.forward_segments(*a[:-1])[0], a[-1], target))
-        states = {m: (DraftState(m, 64), DraftState(m, 64)) for m in (fused, split)}
-        for new_rows in ((6, 2), (1, 4), (3, 1)):
-            feats = [torch.randn(1, n, width, generator=g).to(dtype) for n in new_rows]
-            for pair in states.values():
-                for st, f in zip(pair, feats):
-                    st.add_context(f)
-            got = propose_batch(target, fused, list(states[fused]), [5, 9], [5, 4])
-            want = propose_batch(target, split, list(states[split]), [5, 9], [5, 4])
+        rounds, states = _drafting_rounds(target, (fused, split), dtype, g)
+        for got, want in rounds:
             for x, y in zip(got, want):
                 assert torch.equal(x.on_support, y.on_support) and torch.equal(x.support, y.support)
         assert len(calls) == 2, "the first pass builds the native code; the later ones run in one call"
