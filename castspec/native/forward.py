@@ -361,10 +361,8 @@ class NativeDraft:
     def run(self, block_emb, block_pos, features, ctx_pos, segments) -> torch.Tensor:
         """The call as `DFlashDrafter.forward_segments` returns it (final-normed block rows [1, T, H] fp32), each
         cache's length advanced past its new context as the torch forward does."""
-        hidden = self(block_emb[0].float().contiguous(), block_pos.reshape(-1).contiguous(),
-                      features[0].float().contiguous(), ctx_pos.reshape(-1).contiguous(), segments)
-        for seg in segments:
-            seg.cache.length = seg.start + seg.ctx_length
+        hidden = self(*_flat_pass(block_emb, block_pos, features, ctx_pos), segments)
+        _advance_caches(segments)
         return hidden.unsqueeze(0)
 
     def __call__(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
@@ -386,17 +384,29 @@ class NativeDraft:
         through the draft vocabulary's head (`head`: its packed panels, PanelPack, in the drafter's dtype; `vocab`
         rows) as log-probabilities [len(rows), vocab] fp32, in one native call: what `run` and
         native.linear.panel_logprobs give one after the other, bit for bit."""
-        block_emb, features = block_emb[0].float().contiguous(), features[0].float().contiguous()
+        block_emb, block_pos, features, ctx_pos = _flat_pass(block_emb, block_pos, features, ctx_pos)
         out = torch.empty(len(rows), vocab, dtype=torch.float32)
         rc = self._pass(ctypes.byref(self._model), len(segments), _draft_segments(segments), features.shape[0],
-                        features.data_ptr(), ctx_pos.reshape(-1).contiguous().data_ptr(), block_emb.shape[0],
-                        block_emb.data_ptr(), block_pos.reshape(-1).contiguous().data_ptr(), head.data_ptr(), vocab,
-                        (ctypes.c_int64 * len(rows))(*rows), len(rows), out.data_ptr())
+                        features.data_ptr(), ctx_pos.data_ptr(), block_emb.shape[0], block_emb.data_ptr(),
+                        block_pos.data_ptr(), head.data_ptr(), vocab, (ctypes.c_int64 * len(rows))(*rows), len(rows),
+                        out.data_ptr())
         if rc != 0:
             raise MemoryError("native drafter pass: out of memory")
-        for seg in segments:
-            seg.cache.length = seg.start + seg.ctx_length
+        _advance_caches(segments)
         return out
+
+
+def _flat_pass(block_emb, block_pos, features, ctx_pos) -> tuple[torch.Tensor, ...]:
+    """`DFlashDrafter.forward_segments`' arguments as draft.c reads them: block rows [T, H] and features
+    [C, taps * H] in fp32, positions [T] and [C], all contiguous."""
+    return (block_emb[0].float().contiguous(), block_pos.reshape(-1).contiguous(), features[0].float().contiguous(),
+            ctx_pos.reshape(-1).contiguous())
+
+
+def _advance_caches(segments) -> None:
+    """Each drafter cache's length past its new context rows, as the torch forward leaves it."""
+    for seg in segments:
+        seg.cache.length = seg.start + seg.ctx_length
 
 
 def _draft_segments(segments) -> ctypes.Array:

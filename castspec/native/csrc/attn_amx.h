@@ -195,6 +195,11 @@ AMX static inline void load_sums(const float *from) {
     _tile_loadd(3, from + 48, 256);
 }
 
+/* Where the value tiles of the cache's leading chunk c, columns [c0, c0 + 64), are kept (vps). */
+static inline uint16_t *prefix_values(const AmxAttnScratch *w, int c, int c0, int d) {
+    return w->vps + ((int64_t)c * (d / 64) + c0 / 64) * 2048;
+}
+
 /* Attention of `nb` rows (rows[0..nb), one cache) for the `G` query heads h0 .. h0 + G that share key/value head
  * `kvh` (nb * G <= 16): queries at q + r * ldq + h * d, outputs at out + r * nq + h * d. */
 AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb, int kvh, int G, int h0,
@@ -296,10 +301,10 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
         for (int c = 0; c < joint; ++c) {
             const uint16_t *vp = w->vp;
             if (c < direct) {
-                vp = w->vps + ((int64_t)c * (d / 64) + c0 / 64) * 2048;
+                vp = prefix_values(w, c, c0, d);
                 if (c >= tc->values) { /* chunks are built in order, all their columns when first met */
                     for (int b0 = 0; b0 < d; b0 += 64)
-                        value_tiles(V + (int64_t)32 * c * d, d, b0, w->vps + ((int64_t)c * (d / 64) + b0 / 64) * 2048);
+                        value_tiles(V + (int64_t)32 * c * d, d, b0, prefix_values(w, c, b0, d));
                     tc->values = c + 1;
                 }
             } else {
