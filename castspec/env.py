@@ -7,6 +7,7 @@ Every switch is read when asked for (tests and callers may change the environmen
                         this CPU runs (AVX-512, else AVX2)
   CASTSPEC_NATIVE_ROWS  the most rows a whole native forward takes (0: torch only); default per dtype
   CASTSPEC_AMX          0: the native bf16 products use AVX-512 only, also where the CPU has AMX
+  CASTSPEC_DRAFT_INT8   0: a bf16 drafter's native pass keeps bf16 weights, also where the CPU has AMX-INT8
   CASTSPEC_PACK         0: no oneDNN weight packing (castspec/native/linear.py)
   CASTSPEC_COMPILE      0: no inductor-compiled single-row product (castspec/native/linear.py)
 """
@@ -34,6 +35,10 @@ def native_rows() -> int | None:
 
 def amx_enabled() -> bool:
     return os.environ.get("CASTSPEC_AMX", "1") != "0"
+
+
+def draft_int8_enabled() -> bool:
+    return os.environ.get("CASTSPEC_DRAFT_INT8", "1") != "0"
 
 
 def packing_enabled() -> bool:

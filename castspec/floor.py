@@ -145,8 +145,12 @@ def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0) 
     fused (fc) and projected to keys and values in every layer, its block of block_size rows through every layer
     attending to its `prefix` cached context positions and the block, and the head over the block's drafted rows
     (the draft vocabulary's rows of the target's lm_head when the drafter has one, else the whole lm_head).
-    Reads: every drafter matrix, that head and the cached context once."""
+    Reads: every drafter matrix, that head and the cached context once. Where the drafter's native pass
+    multiplies by int8 weights (native/forward.py), its matrices and head are read as one byte a weight, and its
+    products count half their FLOPs: an AMX tile product does twice the int8 multiply-adds of a bf16 one in the
+    same time, so the bf16 GEMM rate the floor divides by is half the int8 one."""
     c = drafter.cfg
+    int8 = getattr(getattr(getattr(drafter, "backend", None), "built", None), "int8", False)
     block = c.num_draft_positions + 1  # [root, MASK x L]
     layer_mats = _matrices(drafter.layers)
     kv_params = sum(w.numel() for layer in drafter.layers
@@ -155,9 +159,10 @@ def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0) 
     head_rows = head.shape[0] if drafter.draft_vocab is None else len(drafter.draft_vocab)
     head_params = head_rows * head.shape[1]
     fc = drafter.fc.weight
-    nbytes = (sum(w.numel() * w.element_size() for w in [fc, *layer_mats]) + head_params * head.element_size()
-              + batch * _kv_bytes(c, drafter.dtype, prefix))
-    per_request = (2 * fc.numel() * ctx_rows + 2 * kv_params * ctx_rows
-                   + 2 * sum(w.numel() for w in layer_mats) * block
-                   + _attention_flops(c, block, prefix + block) + 2 * head_params * c.num_draft_positions)
+    weights = sum(w.numel() for w in [fc, *layer_mats]) + head_params
+    nbytes = (weights if int8 else sum(w.numel() * w.element_size() for w in [fc, *layer_mats])
+              + head_params * head.element_size()) + batch * _kv_bytes(c, drafter.dtype, prefix)
+    products = (2 * fc.numel() * ctx_rows + 2 * kv_params * ctx_rows + 2 * sum(w.numel() for w in layer_mats) * block
+                + 2 * head_params * c.num_draft_positions)
+    per_request = (products / 2 if int8 else products) + _attention_flops(c, block, prefix + block)
     return Cost(nbytes, batch * per_request)

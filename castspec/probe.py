@@ -68,6 +68,8 @@ def engine_key(engine) -> dict:
         rows = native_step.max_rows(engine.dtype)  # the drafter's too (profiles of a capped drafter are stale)
         name += (f"-native{native.MAX_ROWS.get(engine.dtype, 0)}-rows{'any' if rows is None else rows}"
                  f"-gemm{'-amx' if native.library().gemm_amx_on() else ''}-{native.library_key()}")
+        if native.int8_products():
+            name += "-draft-int8"  # a drafter pass on int8 weights reads half the bytes
     if engine.target.graphs is not None:
         name += "-graphs"  # padded, captured forwards cost something else than eager ones (castspec/graphs.py)
     drafter = "none"

@@ -98,10 +98,10 @@ def native(hf_model, dtype=torch.float32):
     return build_target(hf_model.config, hf_model.state_dict(), dtype, hf_model.device)
 
 
-def random_drafter(target, block_size=8, layers=2, taps=None, seed=0, scale=3.0) -> DFlashDrafter:
+def random_drafter(target, block_size=8, layers=2, taps=None, seed=0, scale=3.0, inter=96) -> DFlashDrafter:
     t = target.cfg
     cfg = DrafterConfig(hidden_size=t.hidden_size, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
-                        intermediate_size=96, rms_norm_eps=1e-6, block_size=block_size,
+                        intermediate_size=inter, rms_norm_eps=1e-6, block_size=block_size,
                         mask_token_id=t.vocab_size - 1, target_layer_ids=taps or [0, t.num_layers - 2],
                         num_target_layers=t.num_layers, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                         max_positions=t.max_positions, vocab_size=t.vocab_size)

@@ -115,7 +115,12 @@ class DFlashDrafter(nn.Module):
         vocabulary on castspec's C library, the rows' head product and log-softmax are one native call."""
         rows = self._drafting_rows(depths)
         if self.draft_vocab is not None:
-            sub = panel_logprobs(hidden, rows, self.vocab_head(target), self._sub_panels)
+            code, head = self.backend.built, self.vocab_head(target)
+            if code is not None and head.dtype == self.dtype and hidden.dtype == torch.float32 \
+                    and hidden.is_contiguous():  # the head's arithmetic of the native pass (int8 weights there)
+                sub = code.logprobs(hidden, rows, head)
+            else:
+                sub = panel_logprobs(hidden, rows, head, self._sub_panels)
             if sub is not None:
                 return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
         return self.marginals(hidden[rows], target).split(depths)
@@ -130,8 +135,8 @@ class DFlashDrafter(nn.Module):
         if code is not None:
             head = self.vocab_head(target)
             if head.dtype == self.dtype and packable(head):
-                sub = code.marginals(block_emb, block_pos, features, ctx_pos, segments, self._sub_panels.get(head),
-                                     head.shape[0], self._drafting_rows(depths))
+                sub = code.marginals(block_emb, block_pos, features, ctx_pos, segments, head,
+                                     self._drafting_rows(depths))
                 return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
         hidden = self.forward_segments(block_emb, block_pos, features, ctx_pos, segments)
         return self.block_marginals(hidden[0], depths, target)

@@ -1,5 +1,6 @@
-"""The C library's interface as Python sees it: the structs shared with csrc/ (ctypes mirrors of layer.h's Layer
-and StepModel, step.c's Segment, draft.c's DraftModel and DraftSegment) and the exported functions' signatures.
+"""The C library's interface as Python sees it: the structs shared with csrc/ (ctypes mirrors of layer.h's Layer,
+Int8Weight and StepModel, step.c's Segment, draft.c's DraftModel and DraftSegment) and the exported functions'
+signatures.
 
 The library exports each shared struct's sizeof (castspec_sizeof_<name>); `size_mismatches` compares them with
 the mirrors here, so a field added on one side only disables the native code instead of corrupting memory.
@@ -18,10 +19,14 @@ class Layer(ctypes.Structure):
 
 class StepModel(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-                                                       "vocab", "bf16")),
+                                                       "vocab", "bf16", "i8")),
                 ("eps", ctypes.c_float),
                 *((name, ctypes.c_void_p) for name in ("embed", "final_norm", "head", "cos", "sin")),
                 ("layer", ctypes.POINTER(Layer))]
+
+
+class Int8Weight(ctypes.Structure):
+    _fields_ = [("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
 
 
 class Segment(ctypes.Structure):
@@ -39,7 +44,7 @@ class DraftSegment(ctypes.Structure):
                 ("start", ctypes.c_int64), ("ctx_rows", ctypes.c_int32), ("block_rows", ctypes.c_int32)]
 
 
-SHARED = {cls.__name__: cls for cls in (Layer, StepModel, Segment, DraftModel, DraftSegment)}
+SHARED = {cls.__name__: cls for cls in (Layer, StepModel, Int8Weight, Segment, DraftModel, DraftSegment)}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {  # name: (argument types, result type)
@@ -50,11 +55,12 @@ SIGNATURES = {  # name: (argument types, result type)
     "gemm_f32": ([_P] * 3 + [_I] * 5, None),
     "gemm_use_amx": ([_I], _I),
     "gemm_amx_on": ([], _I),
+    "gemm_i8_f32": ([_P] * 5 + [_I] * 5, None),
     "forward_rows": ([_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P], _I),
     "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P], _I),
     "argmax_rows": ([_P, _I, _I, _P], None),
     "topk_rows": ([_P, _I, _I, _I, _P, _P, _P], _I),
-    "draft_logprobs": ([_I, _P, _I, _I, _P, _P, _I, _P], _I),
+    "draft_logprobs": ([_I, _I, _P, _I, _I, _P, _P, _I, _P], _I),
     "draft_pass": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _P], _I),
 }
 

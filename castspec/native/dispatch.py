@@ -26,12 +26,14 @@ from .forward import NativeDraft, NativeStep, max_rows
 log = logging.getLogger("castspec")
 
 
-def agrees(native_out, torch_out, dtype: torch.dtype) -> bool:
+def agrees(native_out, torch_out, dtype: torch.dtype, tol: float | None = None) -> bool:
     """A native forward's outputs (a tensor or a tuple of tensors and Nones) equal the torch forward's up to
-    rounding, relative to the largest value: logits and hidden states have no fixed scale."""
+    rounding (`tol`, else the dtype's), relative to the largest value: logits and hidden states have no fixed
+    scale."""
     if isinstance(torch_out, torch.Tensor):
         native_out, torch_out = (native_out,), (torch_out,)
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    if tol is None:
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
     return all(torch.allclose(a.float(), b.float(), rtol=0, atol=tol * max(b.abs().max().item(), 1.0))
                for a, b in zip(native_out, torch_out) if b is not None)
 
@@ -41,9 +43,9 @@ def passes_selftest(kind, code, model: nn.Module, torch_forward, call: tuple) ->
     code and through torch, each on a scratch cache of its own: every output agrees, and so do the caches after."""
     on_native, on_torch = kind.selftest(model, *call), kind.selftest(model, *call)
     for a, b in zip(on_native.calls, on_torch.calls):
-        if not agrees(code.run(*a), torch_forward(*b), model.dtype):
+        if not agrees(code.run(*a), torch_forward(*b), model.dtype, code.tolerance):
             return False
-    return agrees(on_native.kv(), on_torch.kv(), model.dtype)
+    return agrees(on_native.kv(), on_torch.kv(), model.dtype, code.tolerance)
 
 
 class NativeSwitch(nn.Module):
@@ -97,6 +99,11 @@ class NativeSwitch(nn.Module):
                         self._kind.what)
             return
         self._code, self._checked = code, True
+
+    @property
+    def built(self) -> NativeStep | NativeDraft | None:
+        """The native code, where it is built, checked and on (after a forward it took); else None."""
+        return self._code
 
     @property
     def active(self) -> bool:

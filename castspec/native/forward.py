@@ -26,24 +26,34 @@ import torch
 
 from .. import env
 from . import build as native
-from .abi import LAYER_FIELDS, DraftModel, DraftSegment, Layer, Segment, StepModel
-from .pack import pack_panels, packable
+from .abi import LAYER_FIELDS, DraftModel, DraftSegment, Int8Weight, Layer, Segment, StepModel
+from .linear import head_logprobs, weight_key
+from .pack import INT8_INPUTS, pack_int8, pack_panels, packable
 
 # the rows of each synthetic forward of a self-test (fewer where the row limit is lower)
 SELFTEST_ROWS = 4
+# How far a drafter pass on int8 weights may stray from its torch forward (bf16 weights) in the self-test,
+# relative to the largest output: the int8 rounding of weights and inputs moves the outputs by several percent of
+# it on the self-test's random inputs, a wrong layout by all of it. The int8 products themselves are checked
+# exactly when the library is loaded (native/build.py).
+INT8_TOLERANCE = 0.25
 
 
 class _Kept:
-    """Tensors whose storage native code reads: kept alive here, their addresses handed out."""
+    """Tensors and structs whose memory native code reads: kept alive here, their addresses handed out."""
 
     def __init__(self):
-        self.tensors: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor | ctypes.Structure] = []
 
     def __call__(self, t: torch.Tensor | None) -> int | None:
         if t is None:
             return None
-        self.tensors.append(t)
+        self.kept.append(t)
         return t.data_ptr()
+
+    def struct(self, s: ctypes.Structure) -> int:
+        self.kept.append(s)
+        return ctypes.addressof(s)
 
 
 def _packed(keep: _Kept, w: torch.Tensor) -> int:
@@ -51,19 +61,25 @@ def _packed(keep: _Kept, w: torch.Tensor) -> int:
     return keep(pack_panels(w))
 
 
-def _layer_array(layers, keep: _Kept):
+def _packed_int8(keep: _Kept, w: torch.Tensor) -> int:
+    """The address of layer.h's Int8Weight for a weight matrix quantized and packed for gemm.c's int8 products."""
+    panels, scales = pack_int8(w)
+    return keep.struct(Int8Weight(keep(panels), keep(scales)))
+
+
+def _layer_array(layers, keep: _Kept, packed=_packed):
     """layer.h's Layer structs for decoder or drafter layers (both have the HF layer's submodules), with the
-    matrices packed."""
+    matrices packed by `packed`."""
     out = (Layer * len(layers))()
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         qkv_w, qkv_b = attn.qkv()
-        values = (keep(layer.input_layernorm.weight), _packed(keep, qkv_w), keep(qkv_b),
-                  _packed(keep, attn.o_proj.weight), keep(attn.o_proj.bias),
+        values = (keep(layer.input_layernorm.weight), packed(keep, qkv_w), keep(qkv_b),
+                  packed(keep, attn.o_proj.weight), keep(attn.o_proj.bias),
                   keep(None if attn.q_norm is None else attn.q_norm.weight),
                   keep(None if attn.k_norm is None else attn.k_norm.weight),
-                  keep(layer.post_attention_layernorm.weight), _packed(keep, mlp.gate_up_weight),
-                  keep(mlp.gate_up_bias), _packed(keep, mlp.down_proj.weight), keep(mlp.down_proj.bias))
+                  keep(layer.post_attention_layernorm.weight), packed(keep, mlp.gate_up_weight),
+                  keep(mlp.gate_up_bias), packed(keep, mlp.down_proj.weight), keep(mlp.down_proj.bias))
         for name, address in zip(LAYER_FIELDS, values):
             setattr(out[i], name, address)
     return out
@@ -176,6 +192,7 @@ class NativeStep:
     this when the model's weights move, since the pointers would then be stale)."""
 
     what = "forward"
+    tolerance = None  # the self-test's, relative to the largest output: the dtype's (native/dispatch.py)
 
     def __init__(self, decoder, lib):
         cfg = decoder.cfg
@@ -183,7 +200,7 @@ class NativeStep:
         keep = self._kept = _Kept()
         self._layers = _layer_array(decoder.model.layers, keep)
         self._model = StepModel(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                cfg.intermediate_size, cfg.vocab_size, decoder.dtype == torch.bfloat16,
+                                cfg.intermediate_size, cfg.vocab_size, decoder.dtype == torch.bfloat16, False,
                                 cfg.rms_norm_eps, keep(decoder.model.embed_tokens.weight),
                                 keep(decoder.model.norm.weight), _packed(keep, decoder.head_weight),
                                 *_tables(decoder.rope, keep), ctypes.cast(self._layers, ctypes.POINTER(Layer)))
@@ -307,16 +324,23 @@ class NativeDraft:
 
     def __init__(self, drafter, lib):
         cfg = drafter.cfg
-        self._fn, self._pass = lib.draft_block, lib.draft_pass
+        self._lib = lib
         keep = self._kept = _Kept()
-        self._layers = _layer_array(drafter.layers, keep)
+        # int8 weights where gemm.c multiplies by them (AMX-INT8): a pass reads half the bytes, and the drafter
+        # proposes what its bf16 weights do within the replay's noise (docs/performance.md)
+        self.int8 = _int8_fits(drafter)
+        self.tolerance = INT8_TOLERANCE if self.int8 else None
+        self._packed = _packed_int8 if self.int8 else _packed
+        self._layers = _layer_array(drafter.layers, keep, self._packed)
+        self._bf16 = drafter.dtype == torch.bfloat16
         base = StepModel(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                         cfg.intermediate_size, 0, drafter.dtype == torch.bfloat16, cfg.rms_norm_eps, None,
+                         cfg.intermediate_size, 0, self._bf16, self.int8, cfg.rms_norm_eps, None,
                          keep(drafter.norm.weight), None, *_tables(drafter.rope, keep),
                          ctypes.cast(self._layers, ctypes.POINTER(Layer)))
-        self._model = DraftModel(base, _packed(keep, drafter.fc.weight), keep(drafter.hidden_norm.weight),
+        self._model = DraftModel(base, self._packed(keep, drafter.fc.weight), keep(drafter.hidden_norm.weight),
                                  drafter.fc.weight.shape[1])
         self._hidden = cfg.hidden_size
+        self._head: tuple = (None, None, None)  # (weight_key, address, _Kept) of the head packed as the layers
 
     @staticmethod
     def accepts(drafter, block_emb, block_pos, features, ctx_pos, segments) -> bool:
@@ -372,28 +396,54 @@ class NativeDraft:
         `segments` (dflash.DraftSegment, one request each). All fp32 activations, whatever the model's dtype."""
         T, C = block_emb.shape[0], features.shape[0]
         out = torch.empty(T, self._hidden, dtype=torch.float32)
-        rc = self._fn(ctypes.byref(self._model), len(segments), _draft_segments(segments), C, features.data_ptr(),
-                      ctx_pos.data_ptr(), T, block_emb.data_ptr(), block_pos.data_ptr(), out.data_ptr())
+        rc = self._lib.draft_block(ctypes.byref(self._model), len(segments), _draft_segments(segments), C,
+                                   features.data_ptr(), ctx_pos.data_ptr(), T, block_emb.data_ptr(),
+                                   block_pos.data_ptr(), out.data_ptr())
         if rc != 0:
             raise MemoryError("native drafter pass: out of memory")
         return out
 
-    def marginals(self, block_emb, block_pos, features, ctx_pos, segments, head: torch.Tensor, vocab: int,
+    def head_address(self, head: torch.Tensor) -> int:
+        """The draft vocabulary's head [S, H] (the drafter's dtype) packed as the layers are (int8 or panels),
+        packed once and again only when the head changes."""
+        key = weight_key(head)
+        if self._head[0] != key:
+            keep = _Kept()
+            self._head = (key, self._packed(keep, head.detach()), keep)
+        return self._head[1]
+
+    def logprobs(self, hidden: torch.Tensor, rows: list[int], head: torch.Tensor) -> torch.Tensor:
+        """Block rows `rows` of a pass's final-normed rows hidden [*, H] (fp32) through the draft vocabulary's
+        head as log-probabilities [len(rows), S] fp32: the head's arithmetic of `marginals`."""
+        return head_logprobs(self._lib, self._bf16, self.int8, self.head_address(head), head.shape[0], hidden, rows)
+
+    def marginals(self, block_emb, block_pos, features, ctx_pos, segments, head: torch.Tensor,
                   rows: list[int]) -> torch.Tensor:
         """The same pass as `run` (the arguments of `DFlashDrafter.forward_segments`), then its block rows `rows`
-        through the draft vocabulary's head (`head`: its packed panels, PanelPack, in the drafter's dtype; `vocab`
-        rows) as log-probabilities [len(rows), vocab] fp32, in one native call: what `run` and
-        native.linear.panel_logprobs give one after the other, bit for bit."""
+        through the draft vocabulary's head (`head` [S, H], the target's lm_head rows in the drafter's dtype) as
+        log-probabilities [len(rows), S] fp32, in one native call: what `run` and `logprobs` give one after the
+        other, bit for bit."""
         block_emb, block_pos, features, ctx_pos = _flat_pass(block_emb, block_pos, features, ctx_pos)
+        vocab = head.shape[0]
         out = torch.empty(len(rows), vocab, dtype=torch.float32)
-        rc = self._pass(ctypes.byref(self._model), len(segments), _draft_segments(segments), features.shape[0],
-                        features.data_ptr(), ctx_pos.data_ptr(), block_emb.shape[0], block_emb.data_ptr(),
-                        block_pos.data_ptr(), head.data_ptr(), vocab, (ctypes.c_int64 * len(rows))(*rows), len(rows),
-                        out.data_ptr())
+        rc = self._lib.draft_pass(ctypes.byref(self._model), len(segments), _draft_segments(segments),
+                                  features.shape[0], features.data_ptr(), ctx_pos.data_ptr(), block_emb.shape[0],
+                                  block_emb.data_ptr(), block_pos.data_ptr(), self.head_address(head), vocab,
+                                  (ctypes.c_int64 * len(rows))(*rows), len(rows), out.data_ptr())
         if rc != 0:
             raise MemoryError("native drafter pass: out of memory")
         _advance_caches(segments)
         return out
+
+
+def _int8_fits(drafter) -> bool:
+    """Whether a drafter's native pass multiplies by int8 weights: a bf16 drafter where gemm.c has int8 products
+    (native/build.py), every product's input width a multiple of pack.INT8_INPUTS (the hidden size: the layers'
+    and the head's; the MLP's; the taps')."""
+    cfg = drafter.cfg
+    widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size, drafter.fc.weight.shape[1])
+    return (drafter.dtype == torch.bfloat16 and native.int8_products()
+            and all(w % INT8_INPUTS == 0 for w in widths))
 
 
 def _flat_pass(block_emb, block_pos, features, ctx_pos) -> tuple[torch.Tensor, ...]:

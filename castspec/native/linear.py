@@ -195,8 +195,15 @@ def panel_logprobs(hidden: torch.Tensor, rows: list[int], weight: torch.Tensor, 
     O, I = weight.shape
     if hidden.shape[1] != I or not 0 <= min(rows) <= max(rows) < hidden.shape[0]:
         raise ValueError(f"rows {min(rows)}..{max(rows)} of hidden {tuple(hidden.shape)} for a head of {I} inputs")
-    out = torch.empty(len(rows), O, dtype=torch.float32)
-    if lib.draft_logprobs(int(weight.dtype == torch.bfloat16), pack.get(weight).data_ptr(), O, I, hidden.data_ptr(),
+    return head_logprobs(lib, weight.dtype == torch.bfloat16, False, pack.get(weight).data_ptr(), O, hidden, rows)
+
+
+def head_logprobs(lib, bf16: bool, int8: bool, head: int, vocab: int, hidden: torch.Tensor,
+                  rows: list[int]) -> torch.Tensor:
+    """draft.c's draft_logprobs: rows `rows` of fp32 hidden [*, H] (contiguous) through a head of `vocab` rows at
+    address `head` (gemm.c's panels, bf16 or fp32, or an int8 weight), log-softmaxed: [len(rows), vocab] fp32."""
+    out = torch.empty(len(rows), vocab, dtype=torch.float32)
+    if lib.draft_logprobs(int(bf16), int(int8), head, vocab, hidden.shape[1], hidden.data_ptr(),
                           (ctypes.c_int64 * len(rows))(*rows), len(rows), out.data_ptr()):
         raise MemoryError("native drafter head: out of memory")
     return out

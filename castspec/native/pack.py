@@ -5,6 +5,9 @@ bf16 [O, I] -> [ceil(O/16), I/2, 16, 2]: per panel and pair of inputs, the 16 co
 as VDPBF16PS multiplies them. fp32 [O, I] -> [ceil(O/16), I, 16]. Missing columns of the last panel are zeros.
 A slice of whole panels of the packed tensor is the packed slice of the weight (draft.c takes the k|v rows of a
 fused q|k|v matrix that way): rows [16a, 16b) of W start at element 16a * I of either layout.
+
+int8 (a drafter's weights where the CPU has AMX-INT8, native/forward.py): each output column scaled by
+max |w| / 127 and rounded, [ceil(O/16), I/4, 16, 4] (the quads of inputs TDPBSSD multiplies), I a multiple of 64.
 """
 from __future__ import annotations
 
@@ -30,3 +33,29 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
         if w.dtype == torch.bfloat16:
             return padded.view(panels, PANEL, I // 2, 2).permute(0, 2, 1, 3).contiguous()
         return padded.view(panels, PANEL, I).permute(0, 2, 1).contiguous()
+
+
+INT8_INPUTS = 64  # an int8 product's input width is a multiple of this (one AMX tile row of int8)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., I] -> (int8 [..., I], fp32 scales [...]): each row rounded (to nearest even) to a multiple of
+    max |row| / 127; a zero row gives zeros and scale 0. What csrc/layer.h's quantize_row computes for a product's
+    input rows, and what pack_int8 does to each output column of a weight."""
+    x = x.float()
+    scale = x.abs().amax(-1) / 127
+    q = torch.round(x / scale.unsqueeze(-1)).nan_to_num(0.0).clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] (I a multiple of INT8_INPUTS) quantized per output column and packed: (panels, scales [O])."""
+    O, I = w.shape
+    if I % INT8_INPUTS:
+        raise ValueError(f"an int8 weight needs inputs in multiples of {INT8_INPUTS}, not {I}")
+    panels = -(-O // PANEL)
+    with torch.no_grad():
+        q, scale = quantize(w.detach())
+        padded = torch.zeros(panels * PANEL, I, dtype=torch.int8)
+        padded[:O] = q
+        return padded.view(panels, PANEL, I // 4, 4).permute(0, 2, 1, 3).contiguous(), scale.contiguous()

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define AMX __attribute__((target("amx-tile,amx-bf16")))
+#define AMX __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

@@ -147,14 +147,14 @@ static void log_softmax_row(float *x, int n) {
 
 /* The drafter's log-probabilities over its draft vocabulary for the block rows that draft: rows rows[0..R) of
  * hidden [*, H] (final-normed, fp32) through the head's packed panels [S, H] (the target's lm_head rows of the
- * draft vocabulary; bf16 when bf16 is set, else fp32), log-softmaxed; out [R, S] fp32. One call for what the pass
+ * draft vocabulary; bf16 when bf16 is set, else fp32; an Int8Weight when i8 is set), log-softmaxed; out [R, S] fp32. One call for what the pass
  * hands the tree: the head's product (gemm.c, each row's sums its own) and the normalization. Returns 0, or -1
  * when out of memory. */
-int draft_logprobs(int bf16, const void *head, int S, int H, const float *hidden, const int64_t *rows, int R,
+int draft_logprobs(int bf16, int i8, const void *head, int S, int H, const float *hidden, const int64_t *rows, int R,
                    float *out) {
     StepModel m;
     memset(&m, 0, sizeof(m));
-    m.bf16 = bf16, m.hidden = H;
+    m.bf16 = bf16, m.i8 = i8, m.hidden = H;
     Arena arena = {NULL, 0};
     float *x;
     void *xs;
@@ -169,9 +169,9 @@ int draft_logprobs(int bf16, const void *head, int S, int H, const float *hidden
 }
 
 /* A whole drafter pass in one call (NativeDraft.marginals): draft_block, then draft_logprobs of its block rows
- * rows[0..R) through the draft vocabulary's head (packed panels [S, H] in the drafter's dtype). The same
- * arithmetic as the two calls one after the other, without the host's work between them, which is a large share
- * of a pass this small. out [R, S]. Returns 0, or -1 when out of memory. */
+ * rows[0..R) through the draft vocabulary's head (packed as the drafter's layers are: panels [S, H] in its dtype,
+ * or an Int8Weight). The same arithmetic as the two calls one after the other, without the host's work between
+ * them, which is a large share of a pass this small. out [R, S]. Returns 0, or -1 when out of memory. */
 int draft_pass(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const float *features,
                const int64_t *ctx_pos, int T, const float *block_emb, const int64_t *block_pos, const void *head,
                int S, const int64_t *rows, int R, float *out) {
@@ -179,7 +179,7 @@ int draft_pass(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, 
     float *hidden = malloc(sizeof(float) * (size_t)T * H);
     if (!hidden) return -1;
     int rc = draft_block(dm, nseg, segs, C, features, ctx_pos, T, block_emb, block_pos, hidden);
-    if (rc == 0) rc = draft_logprobs(dm->base.bf16, head, S, H, hidden, rows, R, out);
+    if (rc == 0) rc = draft_logprobs(dm->base.bf16, dm->base.i8, head, S, H, hidden, rows, R, out);
     free(hidden);
     return rc;
 }

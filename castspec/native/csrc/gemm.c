@@ -292,74 +292,87 @@ int gemm_use_amx(int want) {
 int gemm_amx_on(void) { return amx_on; }
 
 #ifndef AMX_AHEAD
-#define AMX_AHEAD 1024 /* elements: two k-steps of a panel */
+#define AMX_AHEAD 2048 /* bytes: two steps of a panel */
 #endif
 
 /* C tile `t`, the sums of group `g` (rows 16 * g on) for panel `pn`: straight into Y for 16 rows of 16 valid
- * columns, else through a buffer. */
+ * columns, else through a buffer. With `q` (int8 products), the tile holds int32 sums, which leave through the
+ * buffer as fp32, each times its row's scale and then its column's. */
 #define AMX_STORE(t, g, pn)                                                                             \
     do {                                                                                                \
         const int m0 = 16 * (g), R = M - m0 < 16 ? M - m0 : 16;                                          \
         float *y = Y + (int64_t)m0 * ldy + (int64_t)(pn) * 16;                                          \
         const int64_t valid = (int64_t)O - (int64_t)(pn) * 16;                                          \
-        if (R == 16 && valid >= 16) {                                                                   \
+        if (!q && R == 16 && valid >= 16) {                                                             \
             _tile_stored(t, y, ldy * 4);                                                                \
         } else {                                                                                        \
             _tile_stored(t, buf, 64);                                                                   \
             __asm__ volatile("" ::: "memory"); /* the tile store is asm the compiler cannot see into */ \
-            for (int r = 0; r < R; ++r)                                                                 \
-                _mm512_mask_storeu_ps(y + r * ldy, lanes(valid, 0), _mm512_loadu_ps(buf + 16 * r));      \
+            for (int r = 0; r < R; ++r) {                                                               \
+                __m512 v = _mm512_loadu_ps(buf + 16 * r);                                               \
+                if (q)                                                                                  \
+                    v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(v)),         \
+                                                    _mm512_set1_ps(q->rows[m0 + r])),                   \
+                                      _mm512_maskz_loadu_ps(lanes(valid, 0), q->cols + (int64_t)(pn) * 16)); \
+                _mm512_mask_storeu_ps(y + r * ldy, lanes(valid, 0), v);                                 \
+            }                                                                                           \
         }                                                                                               \
     } while (0)
 
-/* Fetches the weights AMX_AHEAD elements past k-step wk of nb panels (stride elements apart) into L1. */
+/* Fetches the weights AMX_AHEAD bytes past step wk of nb panels (stride bytes apart) into L1. */
 #define AMX_FETCH(wk, nb, stride)                                                                       \
     for (int b = 0; b < (nb); ++b)                                                                      \
-        for (int l = 0; l < 16; ++l) _mm_prefetch((const char *)((wk) + b * (stride) + AMX_AHEAD + 32 * l), _MM_HINT_T0)
+        for (int l = 0; l < 16; ++l) _mm_prefetch((wk) + b * (stride) + AMX_AHEAD + 64 * l, _MM_HINT_T0)
+
+/* C tile c += input tile x . weight tile w: bf16 pairs into fp32 sums, or (i8) int8 quads into int32 sums. */
+#define AMX_DP(i8, c, x, w)              \
+    do {                                 \
+        if (i8) _tile_dpbssd(c, x, w);   \
+        else _tile_dpbf16ps(c, x, w);    \
+    } while (0)
 
 /* The shapes of one step along the block's panels: all four C tiles (C0-C3) hold sums, so one group of 16
- * rows takes 4 panels a step and two groups 2 panels. Every weight tile loaded is used by both groups of a pair,
- * so for up to 32 rows the weights stream from memory once, overlapped with all of the compute (a second group
- * that ran after the first, over the block in cache, left the memory stream idle meanwhile). Each C tile sums
- * along I from zero in the same order whatever the shape: no bits depend on it. `fetch`: whether this step
- * streams the weights from memory (the first groups over a block), fetching ahead. */
-AMX static void amx_groups1(const uint16_t *w, int64_t pstride, int nb, const uint16_t *a, int64_t ldx, int I,
-                            int fetch) {
+ * rows takes 4 panels a step and two groups (pair) 2 panels, C0/C1 the first group's and C2/C3 the second's.
+ * Every weight tile loaded is used by both groups of a pair, so for up to 32 rows the weights stream from
+ * memory once, overlapped with all of the compute (a second group that ran after the first, over the block in
+ * cache, left the memory stream idle meanwhile). Each step along I takes 64 bytes of every input row and a 1 KiB
+ * tile of each panel (32 bf16 inputs, or 64 int8 ones when i8). Each C tile sums along I from zero in the same
+ * order whatever the shape: no bits depend on it. `fetch`: whether this step streams the weights from memory
+ * (the first groups over a block), fetching ahead. */
+static inline __attribute__((always_inline)) AMX void amx_groups(const char *w, int64_t pstride, int nb,
+                                                                 const char *a, int64_t lda, int steps, int fetch,
+                                                                 int pair, int i8) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int k = 0; k < I; k += 32) {
-        const uint16_t *wk = w + (int64_t)k * 16; /* pair k/2 of the panel, 32 elements a pair */
+    for (int s = 0; s < steps; ++s) {
+        const char *wk = w + (int64_t)s * 1024;
         if (fetch) AMX_FETCH(wk, nb, pstride);
-        _tile_loadd(4, a + k, ldx * 2);
-        _tile_loadd(5, wk, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (nb > 1) { _tile_loadd(6, wk + pstride, 64); _tile_dpbf16ps(1, 4, 6); }
-        if (nb > 2) { _tile_loadd(7, wk + 2 * pstride, 64); _tile_dpbf16ps(2, 4, 7); }
-        if (nb > 3) { _tile_loadd(5, wk + 3 * pstride, 64); _tile_dpbf16ps(3, 4, 5); }
-    }
-}
-
-/* Two groups (inputs a, a + 16 rows) x nb <= 2 panels: C0/C1 group 0's panels, C2/C3 group 1's. */
-AMX static void amx_groups2(const uint16_t *w, int64_t pstride, int nb, const uint16_t *a, int64_t ldx, int I,
-                            int fetch) {
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int k = 0; k < I; k += 32) {
-        const uint16_t *wk = w + (int64_t)k * 16;
-        if (fetch) AMX_FETCH(wk, nb, pstride);
-        _tile_loadd(4, a + k, ldx * 2);
-        _tile_loadd(5, a + 16 * ldx + k, ldx * 2);
-        _tile_loadd(6, wk, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        if (nb > 1) {
-            _tile_loadd(7, wk + pstride, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, a + 64 * s, lda);
+        if (pair) {
+            _tile_loadd(5, a + 16 * lda + 64 * s, lda);
+            _tile_loadd(6, wk, 64);
+            AMX_DP(i8, 0, 4, 6);
+            AMX_DP(i8, 2, 5, 6);
+            if (nb > 1) { _tile_loadd(7, wk + pstride, 64); AMX_DP(i8, 1, 4, 7); AMX_DP(i8, 3, 5, 7); }
+        } else {
+            _tile_loadd(5, wk, 64);
+            AMX_DP(i8, 0, 4, 5);
+            if (nb > 1) { _tile_loadd(6, wk + pstride, 64); AMX_DP(i8, 1, 4, 6); }
+            if (nb > 2) { _tile_loadd(7, wk + 2 * pstride, 64); AMX_DP(i8, 2, 4, 7); }
+            if (nb > 3) { _tile_loadd(5, wk + 3 * pstride, 64); AMX_DP(i8, 3, 4, 5); }
         }
     }
 }
 
-AMX static void gemm_amx(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
-    const int64_t pstride = (int64_t)16 * I;
+/* The scales of an int8 product: one per input row (rows) and one per output column (cols). */
+typedef struct {
+    const float *rows, *cols;
+} Scales;
+
+/* P: packed panels, X: inputs (lda bytes a row, whole groups of 16 rows), both bf16, or both int8 with q. */
+AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, int M, int O, int I, int ldy,
+                         const Scales *q) {
+    const int esz = q ? 1 : 2, steps = I * esz / 64;
+    const int64_t pstride = (int64_t)16 * I * esz; /* bytes per panel */
     const int groups = (M + 15) / 16, panels = (O + 15) / 16;
     _Pragma("omp parallel") {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -373,17 +386,19 @@ AMX static void gemm_amx(const uint16_t *P, const uint16_t *X, float *Y, int M, 
              * whose inputs' loads then outweigh the weights') */
             for (int g0 = 0; g0 < groups; g0 += 2) {
                 const int pair = groups - g0 > 1, step = pair ? 2 : 4, fetch = g0 == 0;
-                const uint16_t *a = X + (int64_t)16 * g0 * ldx;
+                const char *a = (const char *)X + 16 * g0 * lda;
                 for (int panel = blk; panel < bend; panel += step) {
                     const int nb = bend - panel < step ? bend - panel : step;
-                    const uint16_t *w = P + (int64_t)panel * pstride;
+                    const char *w = (const char *)P + (int64_t)panel * pstride;
                     if (pair) {
-                        amx_groups2(w, pstride, nb, a, ldx, I, fetch);
+                        if (q) amx_groups(w, pstride, nb, a, lda, steps, fetch, 1, 1);
+                        else amx_groups(w, pstride, nb, a, lda, steps, fetch, 1, 0);
                         AMX_STORE(0, g0, panel);
                         AMX_STORE(2, g0 + 1, panel);
                         if (nb > 1) { AMX_STORE(1, g0, panel + 1); AMX_STORE(3, g0 + 1, panel + 1); }
                     } else {
-                        amx_groups1(w, pstride, nb, a, ldx, I, fetch);
+                        if (q) amx_groups(w, pstride, nb, a, lda, steps, fetch, 0, 1);
+                        else amx_groups(w, pstride, nb, a, lda, steps, fetch, 0, 0);
                         AMX_STORE(0, g0, panel);
                         if (nb > 1) AMX_STORE(1, g0, panel + 1);
                         if (nb > 2) AMX_STORE(2, g0, panel + 2);
@@ -395,9 +410,24 @@ AMX static void gemm_amx(const uint16_t *P, const uint16_t *X, float *Y, int M, 
         _tile_release();
     }
 }
+
+/* Int8 products (a drafter's, where the CPU has AMX-INT8; native/forward.py): Y[M, O] = (X . W^T) * xscale[row]
+ * * wscale[column], X [M, I] int8 (I a multiple of 64) followed by zero rows up to a multiple of 16, W packed
+ * [O/16][I/4][16][4] (TDPBSSD's quads of inputs, native/pack.py) with one fp32 scale per column. The sums are
+ * integers, exact in any order, so a row's result depends only on that row. */
+void gemm_i8_f32(const int8_t *P, const float *wscale, const int8_t *X, const float *xscale, float *Y, int M, int O,
+                 int I, int ldx, int ldy) {
+    const Scales q = {xscale, wscale};
+    gemm_amx(P, X, ldx, Y, M, O, I, ldy, &q);
+}
 #else
 int gemm_use_amx(int want) { (void)want; return 0; }
 int gemm_amx_on(void) { return 0; }
+void gemm_i8_f32(const int8_t *P, const float *wscale, const int8_t *X, const float *xscale, float *Y, int M, int O,
+                 int I, int ldx, int ldy) {
+    (void)P, (void)wscale, (void)X, (void)xscale, (void)Y, (void)M, (void)O, (void)I, (void)ldx, (void)ldy;
+    abort(); /* never called: native/build.py offers int8 products only where AMX is on */
+}
 #endif
 
 /* X: M rows of bf16 (stride ldx, even) entering the product, followed by zero rows up to a multiple of 16 (the
@@ -405,7 +435,7 @@ int gemm_amx_on(void) { return 0; }
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
 #ifdef CASTSPEC_AVX512
     if (amx_on && I % 32 == 0) {
-        gemm_amx(P, X, Y, M, O, I, ldx, ldy);
+        gemm_amx(P, X, (int64_t)ldx * 2, Y, M, O, I, ldy, NULL);
         return;
     }
 #endif

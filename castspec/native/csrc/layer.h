@@ -29,6 +29,8 @@
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy);
 void gemm_f32(const float *P, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
 int gemm_amx_on(void);
+void gemm_i8_f32(const int8_t *P, const float *wscale, const int8_t *X, const float *xscale, float *Y, int M, int O,
+                 int I, int ldx, int ldy);
 
 /* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native/abi.py's Layer. */
 typedef struct {
@@ -36,8 +38,16 @@ typedef struct {
         *down_w, *down_b;
 } Layer;
 
+/* A weight matrix in int8 (a drafter's, where the CPU has AMX-INT8): packed panels and one fp32 scale per output
+ * column (native/pack.py's pack_int8). Same layout as native/abi.py's Int8Weight. */
 typedef struct {
-    int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, bf16;
+    const int8_t *panels;
+    const float *scales;
+} Int8Weight;
+
+/* i8: the layers' matrices are Int8Weights (a bf16 model's otherwise: norms, caches and attention stay bf16). */
+typedef struct {
+    int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, bf16, i8;
     float eps;
     const void *embed, *final_norm, *head; /* embed [vocab, hidden]; head = lm_head or the tied embedding */
     const float *cos, *sin;                /* RoPE tables [positions, head_dim] in fp32 whatever the model's
@@ -119,12 +129,42 @@ static void add_bias(const StepModel *m, const void *b, float *y, int O) {
 /* The rows a bf16 product's input scratch holds for M rows: whole groups of 16 (gemm.c's AMX tiles read them). */
 #define GEMM_ROWS(M) (((int64_t)(M) + 15) / 16 * 16)
 
+#ifdef CASTSPEC_AVX512
+/* One fp32 row -> int8 with one scale: round(x / s), s = max |x| / 127 (all zeros and s = 0 for a zero row), the
+ * arithmetic of the torch reference in tests/test_int8.py. I is a multiple of 16. */
+static void quantize_row(const float *x, int I, int8_t *q, float *scale) {
+    __m512 top = _mm512_setzero_ps();
+    for (int i = 0; i < I; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    const float s = _mm512_reduce_max_ps(top) / 127.0f;
+    *scale = s;
+    if (s == 0.0f) {
+        memset(q, 0, I);
+        return;
+    }
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int i = 0; i < I; i += 16) /* rounded to nearest even, as torch.round */
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + i), sv))));
+}
+#endif
+
 /* Y[M, O] = X[M, I] . W[O, I]^T + b in fp32 through gemm.c (W packed by native/pack.py): in a bf16 model the rows
  * X are rounded to bf16 as they enter the product (xs: scratch of GEMM_ROWS(M) * I bf16 elements, the rows past
- * M zeroed where AMX tiles read them) and its fp32 sums kept, the bias added in fp32. */
+ * M zeroed where AMX tiles read them) and its fp32 sums kept, the bias added in fp32. With int8 weights (m->i8)
+ * each row is quantized to int8 as it enters instead (its scale after the rows' int8 in xs). */
 static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
                    uint16_t *xs, float *Y) {
-    if (m->bf16) {
+    if (m->i8) {
+#ifdef CASTSPEC_AVX512
+        const Int8Weight *w = W;
+        int8_t *q = (int8_t *)xs;
+        float *scale = (float *)(q + GEMM_ROWS(M) * I);
+        FOR_ROWS(M, r, quantize_row(X + (int64_t)r * I, I, q + (int64_t)r * I, scale + r));
+        memset(q + (int64_t)M * I, 0, (GEMM_ROWS(M) - M) * I);
+        gemm_i8_f32(w->panels, w->scales, q, scale, Y, M, O, I, I, O);
+#else
+        abort(); /* int8 weights only where AMX is (native/forward.py) */
+#endif
+    } else if (m->bf16) {
         FOR_ROWS(M, r, to_model(X + (int64_t)r * I, xs + (int64_t)r * I, I));
         if (gemm_amx_on()) memset(xs + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
         gemm_bf16_f32(W, xs, Y, M, O, I, I, O);

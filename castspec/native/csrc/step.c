@@ -34,7 +34,7 @@ typedef struct {
 
 /* The sizes of the structs castspec/native/abi.py mirrors, compared with its own when the library loads. */
 const int64_t castspec_sizeof_Layer = sizeof(Layer), castspec_sizeof_StepModel = sizeof(StepModel),
-              castspec_sizeof_Segment = sizeof(Segment);
+              castspec_sizeof_Segment = sizeof(Segment), castspec_sizeof_Int8Weight = sizeof(Int8Weight);
 
 /* What forward_rows works in, all from one Arena (see layer.h). */
 typedef struct {
