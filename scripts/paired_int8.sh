@@ -2,7 +2,7 @@
 # The drafter pass on int8 weights against bf16 ones (CASTSPEC_DRAFT_INT8=1 / 0, this checkout), in turn: the
 # stock probe in each mode (stored: the profile width="auto" reads there), `castspec eval-drafter`, ROUNDS pairs
 # of `castspec bench` and `castspec demo`, and one pair of `castspec loadtest`. Results under OUT.
-#   scripts/paired_int8.sh OUT
+#   scripts/paired_int8.sh OUT        (SKIP_PROBE=1: the probes were run already)
 set -euo pipefail
 OUT=$(realpath -m "$1")
 PY=$(pwd)/.venv/bin/python
@@ -11,12 +11,13 @@ mkdir -p "$OUT"
 cs() { local flag=$1; shift; CASTSPEC_DRAFT_INT8=$flag "$PY" -m castspec "$@"; }
 for mode in int8:1 bf16:0; do
   name=${mode%:*} flag=${mode#*:}
+  [ -n "${SKIP_PROBE:-}" ] && continue
   cs "$flag" probe --packed 1,2,4,8,16,24,32,48,64 --prefix-lens 128,512 --batch-sizes 4,16 --reps 3 --warmup 1 \
     --out "$OUT/probe-$name.json" > "$OUT/probe-$name.txt" 2>&1
 done
 for mode in int8:1 bf16:0; do
   name=${mode%:*} flag=${mode#*:}
-  cs "$flag" eval-drafter --per-domain 4 --max-new-tokens 96 --widths 1,15,63 --sets heldout,mtbench-turn2 \
+  cs "$flag" eval-drafter --drafter castspec/assets/drafter-smollm2-135m --per-domain 4 --max-new-tokens 96 --widths 1,15,63 --sets heldout,mtbench-turn2 \
     --out "$OUT/eval-$name.json" > /dev/null 2>&1
 done
 for i in $(seq 1 "$ROUNDS"); do
