@@ -1,5 +1,6 @@
-"""The drafter's int8 products (csrc/gemm.c's gemm_i8_f32, on AMX-INT8): exact against an integer reference for
-1-64 rows, each row's result its own, and a bf16 drafter's native pass on int8 weights where the CPU has them."""
+"""The drafter's int8 products (csrc/gemm.c's gemm_i8_f32, on AMX-INT8 or AVX-512 VNNI): exact against an integer
+reference for 1-64 rows on either unit (so the same bits on both), each row's result its own, and a bf16 drafter's
+native pass on int8 weights where the CPU has them."""
 from __future__ import annotations
 
 import pytest
@@ -15,16 +16,17 @@ from conftest import random_drafter
 from native_support import native_library
 
 
-@pytest.fixture
-def lib(monkeypatch):
-    yield from native_library(monkeypatch)
-    
-
-@pytest.fixture
-def int8_lib(lib):
-    if not native.int8_products():
-        pytest.skip("no int8 products here (they need AMX-INT8, and CASTSPEC_DRAFT_INT8 not 0)")
-    return lib
+@pytest.fixture(params=["amx", "avx512-vnni"])
+def int8_lib(request, monkeypatch):
+    """The library with its int8 products on AMX tiles, or on AVX-512 VNNI (CASTSPEC_AMX=0), where they run."""
+    monkeypatch.setenv("CASTSPEC_AMX", "1" if request.param == "amx" else "0")
+    for lib in native_library(monkeypatch):
+        if request.param == "amx" and not lib.gemm_amx_on():
+            pytest.skip("no AMX here")
+        if not native.int8_products():
+            pytest.skip(f"no int8 products on {request.param} here (CASTSPEC_DRAFT_INT8 not 0, the avx512 build, "
+                        "AMX-INT8 or AVX-512 VNNI)")
+        yield lib
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -37,13 +39,13 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def product(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, I = x.shape
-    panels, sw = pack_int8(w)
+    panels, sw, sums = pack_int8(w)
     qx, sx = quantize(x)
-    xq = torch.zeros(-(-M // 16) * 16, I, dtype=torch.int8)  # whole groups of 16 rows, as the tiles read them
+    xq = torch.zeros(-(-M // 16) * 16, I, dtype=torch.int8)  # whole groups of 16 rows, as AMX tiles read them
     xq[:M] = qx
     out = torch.empty(M, w.shape[0])
-    lib.gemm_i8_f32(panels.data_ptr(), sw.data_ptr(), xq.data_ptr(), sx.data_ptr(), out.data_ptr(), M, w.shape[0], I,
-                    I, w.shape[0])
+    lib.gemm_i8_f32(panels.data_ptr(), sw.data_ptr(), sums.data_ptr(), xq.data_ptr(), sx.data_ptr(), out.data_ptr(),
+                    M, w.shape[0], I, I, w.shape[0])
     return out
 
 

@@ -26,7 +26,7 @@ class StepModel(ctypes.Structure):
 
 
 class Int8Weight(ctypes.Structure):
-    _fields_ = [("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
+    _fields_ = [("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("sums", ctypes.c_void_p)]
 
 
 class Segment(ctypes.Structure):
@@ -55,7 +55,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "gemm_f32": ([_P] * 3 + [_I] * 5, None),
     "gemm_use_amx": ([_I], _I),
     "gemm_amx_on": ([], _I),
-    "gemm_i8_f32": ([_P] * 5 + [_I] * 5, None),
+    "gemm_i8_f32": ([_P] * 6 + [_I] * 5, None),
     "forward_rows": ([_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P], _I),
     "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P], _I),
     "argmax_rows": ([_P, _I, _I, _P], None),

@@ -54,7 +54,7 @@ BUILD_FLAGS = {"avx512": ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx
                "emulate": ("-O2", "-DCASTSPEC_EMULATE", f"-I{SIMDE_INCLUDE}")}
 CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "avx2": ("avx2", "fma", "f16c")}
 AMX_FLAGS = ("amx_tile", "amx_bf16")
-AMX_INT8_FLAG = "amx_int8"
+AMX_INT8_FLAG, VNNI_FLAG = "amx_int8", "avx512_vnni"
 # The most rows castspec's products take for the torch forward (native/linear.py); above it oneDNN's blocked
 # GEMM was faster where this was tuned (docs/performance.md). Whole native forwards (native/forward.py) use the
 # kernels at any count.
@@ -116,31 +116,33 @@ def amx_wanted(build: str | None) -> bool:
 
 
 def int8_products() -> bool:
-    """Whether a bf16 drafter's native pass multiplies by int8 weights (csrc/gemm.c's gemm_i8_f32): where the
-    library's products run on AMX tiles and the CPU has AMX-INT8, unless CASTSPEC_DRAFT_INT8=0. Its proposals
-    then differ from a bf16 pass's by the rounding of weights and inputs to int8; decoded tokens do not (they are
-    the target's)."""
+    """Whether a bf16 drafter's native pass multiplies by int8 weights (csrc/gemm.c's gemm_i8_f32): in the avx512
+    build, on AMX tiles where the library's products use them and the CPU has AMX-INT8, else on AVX-512 VNNI where
+    the CPU has it; unless CASTSPEC_DRAFT_INT8=0. Its proposals then differ from a bf16 pass's by the rounding of
+    weights and inputs to int8; decoded tokens do not (they are the target's)."""
     lib = library()
     return env.draft_int8_enabled() and lib is not None and _int8_checked(lib)
 
 
 @functools.lru_cache(maxsize=None)
 def _int8_checked(lib) -> bool:
-    """Whether a loaded library's int8 products run here (AMX on, AMX-INT8 on the CPU) and give, on a product of
-    17 rows, exactly what the integer reference gives (checked once per library)."""
-    if not lib.gemm_amx_on() or AMX_INT8_FLAG not in _cpu_flags():
+    """Whether a loaded library's int8 products run here (the avx512 build; AMX-INT8 where its products use AMX,
+    else AVX-512 VNNI) and give, on a product of 17 rows, exactly what the integer reference gives (checked once
+    per library)."""
+    unit = AMX_INT8_FLAG if lib.gemm_amx_on() else VNNI_FLAG
+    if loaded_build() != "avx512" or unit not in _cpu_flags():
         return False
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(17, 128, generator=g), torch.randn(40, 128, generator=g)
     qx, sx = quantize(x)
     qw, sw = quantize(w)
     want = (qx.long() @ qw.long().T).float() * sx[:, None] * sw[None, :]
-    panels, scales = pack_int8(w)
-    rows = torch.zeros(32, 128, dtype=torch.int8)  # whole groups of 16 rows, as the tiles read them
+    panels, scales, sums = pack_int8(w)
+    rows = torch.zeros(32, 128, dtype=torch.int8)  # whole groups of 16 rows, as AMX tiles read them
     rows[:17] = qx
     got = torch.empty(17, 40)
-    lib.gemm_i8_f32(panels.data_ptr(), scales.data_ptr(), rows.data_ptr(), sx.data_ptr(), got.data_ptr(), 17, 40,
-                    128, 128, 40)
+    lib.gemm_i8_f32(panels.data_ptr(), scales.data_ptr(), sums.data_ptr(), rows.data_ptr(), sx.data_ptr(),
+                    got.data_ptr(), 17, 40, 128, 128, 40)
     if not torch.equal(got, want):
         log.warning("castspec: the native int8 products disagree with their reference here; drafters keep bf16")
         return False

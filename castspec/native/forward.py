@@ -63,8 +63,8 @@ def _packed(keep: _Kept, w: torch.Tensor) -> int:
 
 def _packed_int8(keep: _Kept, w: torch.Tensor) -> int:
     """The address of layer.h's Int8Weight for a weight matrix quantized and packed for gemm.c's int8 products."""
-    panels, scales = pack_int8(w)
-    return keep.struct(Int8Weight(keep(panels), keep(scales)))
+    panels, scales, sums = pack_int8(w)
+    return keep.struct(Int8Weight(keep(panels), keep(scales), keep(sums)))
 
 
 def _layer_array(layers, keep: _Kept, packed=_packed):

@@ -6,8 +6,9 @@ as VDPBF16PS multiplies them. fp32 [O, I] -> [ceil(O/16), I, 16]. Missing column
 A slice of whole panels of the packed tensor is the packed slice of the weight (draft.c takes the k|v rows of a
 fused q|k|v matrix that way): rows [16a, 16b) of W start at element 16a * I of either layout.
 
-int8 (a drafter's weights where the CPU has AMX-INT8, native/forward.py): each output column scaled by
-max |w| / 127 and rounded, [ceil(O/16), I/4, 16, 4] (the quads of inputs TDPBSSD multiplies), I a multiple of 64.
+int8 (a drafter's weights where the CPU has AMX-INT8 or AVX-512 VNNI, native/forward.py): each output column
+scaled by max |w| / 127 and rounded, [ceil(O/16), I/4, 16, 4] (the quads of inputs TDPBSSD and VPDPBUSD multiply,
+16 columns' quads a 64-byte line), I a multiple of 64.
 """
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
-def pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [O, I] (I a multiple of INT8_INPUTS) quantized per output column and packed: (panels, scales [O])."""
+def pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [O, I] (I a multiple of INT8_INPUTS) quantized per output column and packed: (panels, scales [O], sums
+    [O] of each column's int8 weights, int32)."""
     O, I = w.shape
     if I % INT8_INPUTS:
         raise ValueError(f"an int8 weight needs inputs in multiples of {INT8_INPUTS}, not {I}")
@@ -58,4 +60,5 @@ def pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = quantize(w.detach())
         padded = torch.zeros(panels * PANEL, I, dtype=torch.int8)
         padded[:O] = q
-        return padded.view(panels, PANEL, I // 4, 4).permute(0, 2, 1, 3).contiguous(), scale.contiguous()
+        packed = padded.view(panels, PANEL, I // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return packed, scale.contiguous(), q.sum(1, dtype=torch.int32)

@@ -197,6 +197,55 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
             if (valid > 16 * b) _mm512_mask_storeu_ps(Y + r * ldy + 16 * b, lanes(valid, 16 * b), acc[r][b]);
 }
 
+#ifdef CASTSPEC_AVX512
+/* The scales of an int8 product: one per input row (rows) and one per output column (cols), and the columns'
+ * sums of weights (sums; the AVX-512 VNNI tiles' correction), each from the product's first row or column. */
+typedef struct {
+    const float *rows, *cols;
+    const int32_t *sums;
+} Scales;
+
+#define VNNI __attribute__((target("avx512vnni")))
+/* The int8 tile on AVX-512 VNNI (CPUs without AMX): VPDPBUSD multiplies unsigned by signed bytes, so each input
+ * quad goes in as x + 128 (its sign bit flipped) and the sums come out 128 x the column's weight sum too many,
+ * which is taken off: integer sums, exactly those of AMX's TDPBSSD, then scaled as gemm_amx scales them. Each
+ * step along I loads one 64-byte line per panel (16 columns x 4 inputs, the packed layout) and one quad per row. */
+static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, int64_t pstride, int I4,
+                                                               const int32_t *X, int64_t ldx4, int R, int NB,
+                                                               float *Y, int64_t ldy, int64_t valid, Scales q,
+                                                               Fetch f) {
+    const __m512i flip = _mm512_set1_epi32((int)0x80808080u);
+    int countdown = f.phase;
+    __m512i acc[MAX_R][8];
+    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_si512();
+    for (int p = 0; p < I4; ++p) {
+        __m512i w[8];
+        const int now = fetch_next_now(&f, &countdown);
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
+            const int8_t *line = P + b * pstride + (int64_t)p * 64;
+            w[b] = _mm512_loadu_si512(line);
+            fetch_lines(&f, line, 1, now);
+        }
+        UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
+            const __m512i x = _mm512_xor_si512(_mm512_set1_epi32(X[r * ldx4 + p]), flip);
+            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], x, w[b]);
+        }
+    }
+    UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
+        if (valid > 16 * b) {
+            const __mmask16 k = lanes(valid, 16 * b);
+            const __m512i extra = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(k, q.sums + 16 * b), 7);
+            const __m512 cols = _mm512_maskz_loadu_ps(k, q.cols + 16 * b);
+            UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
+                const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], extra));
+                _mm512_mask_storeu_ps(Y + r * ldy + 16 * b, k,
+                                      _mm512_mul_ps(_mm512_mul_ps(sums, _mm512_set1_ps(q.rows[r])), cols));
+            }
+        }
+}
+#endif
+
 /* Panels [0, np) of a block for R rows: tiles NB wide, then the rest in tiles of 4, 2 and 1 (np - b < NB). */
 #define SWEEP(TILE, R, NB)                                                 \
     do {                                                                   \
@@ -263,6 +312,21 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
             }                                                                                             \
         }                                                                                                 \
     }
+
+#ifdef CASTSPEC_AVX512
+/* gemm_i8_f32 on AVX-512 VNNI tiles, through PRODUCT as the bf16 products. */
+VNNI static void gemm_i8_vnni(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X,
+                              const float *xscale, float *Y, int M, int O, int I, int ldx, int ldy) {
+    const int64_t pstride = (int64_t)16 * I; /* bytes per panel */
+    const int32_t *X4 = (const int32_t *)X;
+#define TILE_I8(R, NB, b)                                                                                    \
+    tile_i8(P + (int64_t)(blk + (b)) * pstride, pstride, I / 4, X4 + (int64_t)m0 * (ldx / 4), ldx / 4, R, NB, \
+            Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16,   \
+            (Scales){xscale + m0, wscale + (int64_t)(blk + (b)) * 16, wsum + (int64_t)(blk + (b)) * 16}, fetch)
+    PRODUCT(TILE_I8, 16 * (int64_t)I)
+#undef TILE_I8
+}
+#endif
 
 #ifdef CASTSPEC_AVX512
 /* AMX (Intel's tile unit), where the CPU has it: one TDPBF16PS multiplies 16 rows x 32 inputs by a 32 x 16 block
@@ -363,11 +427,6 @@ static inline __attribute__((always_inline)) AMX void amx_groups(const char *w, 
     }
 }
 
-/* The scales of an int8 product: one per input row (rows) and one per output column (cols). */
-typedef struct {
-    const float *rows, *cols;
-} Scales;
-
 /* P: packed panels, X: inputs (lda bytes a row, whole groups of 16 rows), both bf16, or both int8 with q. */
 AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, int M, int O, int I, int ldy,
                          const Scales *q) {
@@ -411,22 +470,27 @@ AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, in
     }
 }
 
-/* Int8 products (a drafter's, where the CPU has AMX-INT8; native/forward.py): Y[M, O] = (X . W^T) * xscale[row]
- * * wscale[column], X [M, I] int8 (I a multiple of 64) followed by zero rows up to a multiple of 16, W packed
- * [O/16][I/4][16][4] (TDPBSSD's quads of inputs, native/pack.py) with one fp32 scale per column. The sums are
- * integers, exact in any order, so a row's result depends only on that row. */
-void gemm_i8_f32(const int8_t *P, const float *wscale, const int8_t *X, const float *xscale, float *Y, int M, int O,
-                 int I, int ldx, int ldy) {
-    const Scales q = {xscale, wscale};
-    gemm_amx(P, X, ldx, Y, M, O, I, ldy, &q);
+/* Int8 products (a drafter's, where the CPU has AMX-INT8 or AVX-512 VNNI; native/forward.py): Y[M, O] =
+ * (X . W^T) * xscale[row] * wscale[column], X [M, I] int8 (I a multiple of 64) followed by zero rows up to a
+ * multiple of 16, W packed [O/16][I/4][16][4] (the quads of inputs TDPBSSD and VPDPBUSD multiply, native/pack.py)
+ * with one fp32 scale and one weight sum (wsum) per column. The sums are integers, exact in any order and on
+ * either unit, so a row's result depends only on that row, and is the same on AMX and on AVX-512 VNNI. */
+void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X, const float *xscale,
+                 float *Y, int M, int O, int I, int ldx, int ldy) {
+    if (amx_on) {
+        const Scales q = {xscale, wscale, wsum};
+        gemm_amx(P, X, ldx, Y, M, O, I, ldy, &q);
+        return;
+    }
+    gemm_i8_vnni(P, wscale, wsum, X, xscale, Y, M, O, I, ldx, ldy);
 }
 #else
 int gemm_use_amx(int want) { (void)want; return 0; }
 int gemm_amx_on(void) { return 0; }
-void gemm_i8_f32(const int8_t *P, const float *wscale, const int8_t *X, const float *xscale, float *Y, int M, int O,
-                 int I, int ldx, int ldy) {
-    (void)P, (void)wscale, (void)X, (void)xscale, (void)Y, (void)M, (void)O, (void)I, (void)ldx, (void)ldy;
-    abort(); /* never called: native/build.py offers int8 products only where AMX is on */
+void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X, const float *xscale,
+                 float *Y, int M, int O, int I, int ldx, int ldy) {
+    (void)P, (void)wscale, (void)wsum, (void)X, (void)xscale, (void)Y, (void)M, (void)O, (void)I, (void)ldx, (void)ldy;
+    abort(); /* never called: native/build.py offers int8 products only in the avx512 build */
 }
 #endif
 

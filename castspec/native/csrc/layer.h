@@ -29,8 +29,8 @@
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy);
 void gemm_f32(const float *P, const float *X, float *Y, int M, int O, int I, int ldx, int ldy);
 int gemm_amx_on(void);
-void gemm_i8_f32(const int8_t *P, const float *wscale, const int8_t *X, const float *xscale, float *Y, int M, int O,
-                 int I, int ldx, int ldy);
+void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X, const float *xscale,
+                 float *Y, int M, int O, int I, int ldx, int ldy);
 
 /* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native/abi.py's Layer. */
 typedef struct {
@@ -38,11 +38,13 @@ typedef struct {
         *down_w, *down_b;
 } Layer;
 
-/* A weight matrix in int8 (a drafter's, where the CPU has AMX-INT8): packed panels and one fp32 scale per output
- * column (native/pack.py's pack_int8). Same layout as native/abi.py's Int8Weight. */
+/* A weight matrix in int8 (a drafter's, where the CPU has AMX-INT8 or AVX-512 VNNI): packed panels, one fp32
+ * scale and one sum of int8 weights per output column (native/pack.py's pack_int8). Same layout as native/abi.py's
+ * Int8Weight. */
 typedef struct {
     const int8_t *panels;
     const float *scales;
+    const int32_t *sums;
 } Int8Weight;
 
 /* i8: the layers' matrices are Int8Weights (a bf16 model's otherwise: norms, caches and attention stay bf16). */
@@ -160,9 +162,9 @@ static void linear(const StepModel *m, const void *W, const void *b, const float
         float *scale = (float *)(q + GEMM_ROWS(M) * I);
         FOR_ROWS(M, r, quantize_row(X + (int64_t)r * I, I, q + (int64_t)r * I, scale + r));
         memset(q + (int64_t)M * I, 0, (GEMM_ROWS(M) - M) * I);
-        gemm_i8_f32(w->panels, w->scales, q, scale, Y, M, O, I, I, O);
+        gemm_i8_f32(w->panels, w->scales, w->sums, q, scale, Y, M, O, I, I, O);
 #else
-        abort(); /* int8 weights only where AMX is (native/forward.py) */
+        abort(); /* int8 weights only in the avx512 build (native/forward.py) */
 #endif
     } else if (m->bf16) {
         FOR_ROWS(M, r, to_model(X + (int64_t)r * I, xs + (int64_t)r * I, I));
