@@ -3,10 +3,13 @@ reference for 1-64 rows on either unit (so the same bits on both), each row's re
 native pass on int8 weights where the CPU has them."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from castspec.native import build as native
+from castspec.native import forward as native_forward
 from castspec.native.forward import NativeDraft
 from castspec.native.pack import pack_int8, quantize
 from castspec.sequence import DraftState, propose_batch
@@ -111,3 +114,15 @@ def test_int8_off_keeps_bf16_weights(int8_lib, monkeypatch):
     with torch.inference_mode():
         _drafting(target, d, torch.Generator().manual_seed(4), rounds=1)
     assert isinstance(d.backend.built, NativeDraft) and not d.backend.built.int8
+
+
+def test_an_int8_pass_that_strays_falls_back_to_bf16_weights(int8_lib, monkeypatch, caplog):
+    """A drafter whose int8 pass strays from its torch forward by more than the self-test allows (here: a
+    tolerance of zero) keeps a native pass on its bf16 weights, not torch."""
+    monkeypatch.setattr(native_forward, "INT8_TOLERANCE", 0.0)
+    target = native_target(make_hf(llama_config(vocab=64), seed=1), torch.bfloat16)
+    d = _int8_drafter(target)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="castspec"):
+        _drafting(target, d, torch.Generator().manual_seed(4), rounds=1)
+    assert isinstance(d.backend.built, NativeDraft) and not d.backend.built.int8 and d.backend.checked
+    assert "drafter pass on int8 weights disagrees" in caplog.text and "using torch" not in caplog.text

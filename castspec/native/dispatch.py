@@ -89,16 +89,18 @@ class NativeSwitch(nn.Module):
         return self._code
 
     def _build(self, model: nn.Module, torch_forward, call: tuple) -> None:
-        """The model's native code, kept only if its self-test agrees with the torch forward."""
+        """The model's native code: the first of its kind's candidates whose self-test agrees with the torch
+        forward, else none (torch)."""
         self._looked_up = True
-        code = self._kind.build(model)
-        if code is None:
-            return
-        if not passes_selftest(self._kind, code, model, torch_forward, call):
-            log.warning("castspec: the native %s disagrees with the torch forward on this model; using torch",
-                        self._kind.what)
-            return
-        self._code, self._checked = code, True
+        tried = False
+        for code in self._kind.candidates(model):
+            if passes_selftest(self._kind, code, model, torch_forward, call):
+                self._code, self._checked = code, True
+                return
+            tried = True
+            log.warning("castspec: the native %s disagrees with the torch forward on this model", code.what)
+        if tried:
+            log.warning("castspec: no native %s passed its check on this model; using torch", self._kind.what)
 
     @property
     def built(self) -> NativeStep | NativeDraft | None:

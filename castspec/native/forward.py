@@ -227,6 +227,14 @@ class NativeStep:
         return NativeStep(decoder, lib)
 
     @staticmethod
+    def candidates(decoder):
+        """The native codes to try for a decoder, best first (native/dispatch.py keeps the first whose self-test
+        agrees with the torch forward): its one build, where it applies."""
+        code = NativeStep.build(decoder)
+        if code is not None:
+            yield code
+
+    @staticmethod
     def selftest(decoder, ids, positions, segments, logit_rows, taps) -> SelfTest:
         """What a decoder's native code is checked on: a causal prefill chunk (logits of its last row), a packed
         tree after it (ancestor masks, positions prefix + depth), both with taps, then a decode row seeing all of
@@ -322,14 +330,15 @@ class NativeDraft:
 
     what = "drafter pass"
 
-    def __init__(self, drafter, lib):
+    def __init__(self, drafter, lib, int8: bool = False):
+        """`int8`: multiply by int8 weights (where `_int8_fits`): a pass then reads half the bytes, and the drafter
+        proposes what its bf16 weights do within the replay's noise (docs/performance.md)."""
         cfg = drafter.cfg
         self._lib = lib
         keep = self._kept = _Kept()
-        # int8 weights where gemm.c multiplies by them (AMX-INT8): a pass reads half the bytes, and the drafter
-        # proposes what its bf16 weights do within the replay's noise (docs/performance.md)
-        self.int8 = _int8_fits(drafter)
-        self.tolerance = INT8_TOLERANCE if self.int8 else None
+        self.int8 = int8
+        self.tolerance = INT8_TOLERANCE if int8 else None
+        self.what = "drafter pass on int8 weights" if int8 else "drafter pass"
         self._packed = _packed_int8 if self.int8 else _packed
         self._layers = _layer_array(drafter.layers, keep, self._packed)
         self._bf16 = drafter.dtype == torch.bfloat16
@@ -354,12 +363,23 @@ class NativeDraft:
                    and seg.start + seg.ctx_length + seg.block_length <= seg.cache.capacity for seg in segments)
 
     @staticmethod
-    def build(drafter) -> "NativeDraft | None":
+    def build(drafter, int8: bool = False) -> "NativeDraft | None":
         lib = native.library()
         tensors = [*drafter.parameters(), *_matrices(drafter.layers)]
         if lib is None or not _usable(drafter.dtype, drafter.cfg.head_dim, tensors, drafter.rope):
             return None
-        return NativeDraft(drafter, lib)
+        return NativeDraft(drafter, lib, int8)
+
+    @staticmethod
+    def candidates(drafter):
+        """The native codes to try for a drafter, best first: on int8 weights where they fit (`_int8_fits`), then
+        on the drafter's own, so that a drafter whose int8 pass strays from its torch forward by more than int8
+        rounding (a checkpoint unlike those tested) still gets a native pass."""
+        for int8 in ((True, False) if _int8_fits(drafter) else (False,)):
+            code = NativeDraft.build(drafter, int8)
+            if code is None:
+                return
+            yield code
 
     @staticmethod
     def selftest(drafter, block_emb, block_pos, features, ctx_pos, segments) -> SelfTest:
