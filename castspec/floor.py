@@ -150,7 +150,8 @@ def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0) 
     products count half their FLOPs: an AMX tile product does twice the int8 multiply-adds of a bf16 one in the
     same time, so the bf16 GEMM rate the floor divides by is half the int8 one."""
     c = drafter.cfg
-    int8 = getattr(getattr(getattr(drafter, "backend", None), "built", None), "int8", False)
+    code = drafter.backend.built
+    int8 = code is not None and code.int8
     block = c.num_draft_positions + 1  # [root, MASK x L]
     layer_mats = _matrices(drafter.layers)
     kv_params = sum(w.numel() for layer in drafter.layers
@@ -159,9 +160,10 @@ def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0) 
     head_rows = head.shape[0] if drafter.draft_vocab is None else len(drafter.draft_vocab)
     head_params = head_rows * head.shape[1]
     fc = drafter.fc.weight
-    weights = sum(w.numel() for w in [fc, *layer_mats]) + head_params
-    nbytes = (weights if int8 else sum(w.numel() * w.element_size() for w in [fc, *layer_mats])
-              + head_params * head.element_size()) + batch * _kv_bytes(c, drafter.dtype, prefix)
+    matrices = [fc, *layer_mats]
+    weight_bytes = (sum(w.numel() for w in matrices) + head_params if int8
+                    else sum(w.numel() * w.element_size() for w in matrices) + head_params * head.element_size())
+    nbytes = weight_bytes + batch * _kv_bytes(c, drafter.dtype, prefix)
     products = (2 * fc.numel() * ctx_rows + 2 * kv_params * ctx_rows + 2 * sum(w.numel() for w in layer_mats) * block
                 + 2 * head_params * c.num_draft_positions)
     per_request = (products / 2 if int8 else products) + _attention_flops(c, block, prefix + block)

@@ -11,7 +11,7 @@ import torch
 from castspec.native import build as native
 from castspec.native import forward as native_forward
 from castspec.native.forward import NativeDraft
-from castspec.native.pack import pack_int8, quantize
+from castspec.native.pack import int8_product, pack_int8, quantize
 from castspec.sequence import DraftState, propose_batch
 from conftest import llama_config, make_hf
 from conftest import native as native_target
@@ -30,14 +30,6 @@ def int8_lib(request, monkeypatch):
             pytest.skip(f"no int8 products on {request.param} here (CASTSPEC_DRAFT_INT8 not 0, the avx512 build, "
                         "AMX-INT8 or AVX-512 VNNI)")
         yield lib
-
-
-def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, I] . w [O, I]^T as the int8 products compute it: both quantized per row, integer sums (exact), then
-    times the input row's scale and the weight row's."""
-    qx, sx = quantize(x)
-    qw, sw = quantize(w)
-    return (qx.long() @ qw.long().T).float() * sx[:, None] * sw[None, :]
 
 
 def product(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -60,7 +52,7 @@ def test_int8_products_equal_the_integer_reference(int8_lib, rows, shape):
     x, w = torch.randn(rows, I, generator=g) * 3, torch.randn(O, I, generator=g)
     x[0] = 0.0  # a zero row: scale 0, zeros out
     got = product(int8_lib, x, w)
-    assert torch.equal(got, reference(x, w))
+    assert torch.equal(got, int8_product(x, w))
     assert torch.equal(got[0], torch.zeros(O))
     for r in (0, rows // 2, rows - 1):  # each row's bits are its own, wherever it sits
         assert torch.equal(product(int8_lib, x[r:r + 1], w)[0], got[r])
@@ -126,3 +118,22 @@ def test_an_int8_pass_that_strays_falls_back_to_bf16_weights(int8_lib, monkeypat
         _drafting(target, d, torch.Generator().manual_seed(4), rounds=1)
     assert isinstance(d.backend.built, NativeDraft) and not d.backend.built.int8 and d.backend.checked
     assert "drafter pass on int8 weights disagrees" in caplog.text and "using torch" not in caplog.text
+
+
+def test_the_floor_of_an_int8_pass_counts_one_byte_a_weight(int8_lib, monkeypatch):
+    """floor.draft_cost of a drafter whose native pass is on int8 weights: the weights' bytes halve (bf16 -> int8),
+    the cache's stay, and the products count half their FLOPs."""
+    from castspec.floor import _kv_bytes, draft_cost
+
+    target = native_target(make_hf(llama_config(vocab=64), seed=1), torch.bfloat16)
+    costs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CASTSPEC_DRAFT_INT8", flag)
+        d = _int8_drafter(target)
+        with torch.inference_mode():
+            _drafting(target, d, torch.Generator().manual_seed(4), rounds=1)
+        assert d.backend.built.int8 == (flag == "1")
+        costs[flag] = draft_cost(d, target, 20, 2, 3)
+    kv = 2 * _kv_bytes(d.cfg, d.dtype, 20)
+    assert costs["0"].nbytes - kv == 2 * (costs["1"].nbytes - kv)
+    assert costs["1"].flops < costs["0"].flops

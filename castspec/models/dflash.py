@@ -116,8 +116,7 @@ class DFlashDrafter(nn.Module):
         rows = self._drafting_rows(depths)
         if self.draft_vocab is not None:
             code, head = self.backend.built, self.vocab_head(target)
-            if code is not None and head.dtype == self.dtype and hidden.dtype == torch.float32 \
-                    and hidden.is_contiguous():  # the head's arithmetic of the native pass (int8 weights there)
+            if code is not None and self._native_head(head):  # the head's arithmetic of the native pass (int8)
                 sub = code.logprobs(hidden, rows, head)
             else:
                 sub = panel_logprobs(hidden, rows, head, self._sub_panels)
@@ -134,12 +133,16 @@ class DFlashDrafter(nn.Module):
             if self.graphs is None and self.draft_vocab is not None else None
         if code is not None:
             head = self.vocab_head(target)
-            if head.dtype == self.dtype and packable(head):
+            if self._native_head(head):
                 sub = code.marginals(block_emb, block_pos, features, ctx_pos, segments, head,
                                      self._drafting_rows(depths))
                 return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
         hidden = self.forward_segments(block_emb, block_pos, features, ctx_pos, segments)
         return self.block_marginals(hidden[0], depths, target)
+
+    def _native_head(self, head: torch.Tensor) -> bool:
+        """Whether the drafter's native code multiplies by this draft-vocabulary head (packing it as its layers)."""
+        return head.dtype == self.dtype and packable(head)
 
     def _drafting_rows(self, depths: list[int]) -> list[int]:
         """The rows of a pass over len(depths) blocks whose marginals the trees read: block i's first depths[i]

@@ -432,10 +432,12 @@ class NativeDraft:
             self._head = (key, self._packed(keep, head.detach()), keep)
         return self._head[1]
 
-    def logprobs(self, hidden: torch.Tensor, rows: list[int], head: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, hidden: torch.Tensor, rows: list[int], head: torch.Tensor) -> torch.Tensor | None:
         """Block rows `rows` of a pass's final-normed rows hidden [*, H] (fp32) through the draft vocabulary's
-        head as log-probabilities [len(rows), S] fp32: the head's arithmetic of `marginals`."""
-        return head_logprobs(self._lib, self._bf16, self.int8, self.head_address(head), head.shape[0], hidden, rows)
+        head as log-probabilities [len(rows), S] fp32: the head's arithmetic of `marginals` (None as
+        linear.head_logprobs)."""
+        return head_logprobs(self._lib, self._bf16, self.int8, self.head_address(head), tuple(head.shape), hidden,
+                             rows)
 
     def marginals(self, block_emb, block_pos, features, ctx_pos, segments, head: torch.Tensor,
                   rows: list[int]) -> torch.Tensor:

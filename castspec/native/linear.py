@@ -189,21 +189,24 @@ def panel_logprobs(hidden: torch.Tensor, rows: list[int], weight: torch.Tensor, 
     normalization beside it), for fp32 rows hidden [*, I]; None where panel_linear would not apply. What a drafter
     pass hands its trees: the block rows that draft, through the draft vocabulary's head, as log-probabilities."""
     lib = _panel_library(hidden, weight)
-    if (lib is None or hidden.dtype != torch.float32 or hidden.dim() != 2 or not hidden.is_contiguous()
-            or not rows):
+    if lib is None:
         return None
-    O, I = weight.shape
+    return head_logprobs(lib, weight.dtype == torch.bfloat16, False, pack.get(weight).data_ptr(), weight.shape,
+                         hidden, rows)
+
+
+def head_logprobs(lib, bf16: bool, int8: bool, head: int, shape: tuple[int, int], hidden: torch.Tensor,
+                  rows: list[int]) -> torch.Tensor | None:
+    """draft.c's draft_logprobs: rows `rows` of hidden [*, I] through a head of shape [O, I] at address `head`
+    (gemm.c's panels, bf16 or fp32, or an int8 weight), log-softmaxed: [len(rows), O] fp32; None where the rows
+    are not what it reads (fp32, 2-D, contiguous) or there are none."""
+    if hidden.dtype != torch.float32 or hidden.dim() != 2 or not hidden.is_contiguous() or not rows:
+        return None
+    O, I = shape
     if hidden.shape[1] != I or not 0 <= min(rows) <= max(rows) < hidden.shape[0]:
         raise ValueError(f"rows {min(rows)}..{max(rows)} of hidden {tuple(hidden.shape)} for a head of {I} inputs")
-    return head_logprobs(lib, weight.dtype == torch.bfloat16, False, pack.get(weight).data_ptr(), O, hidden, rows)
-
-
-def head_logprobs(lib, bf16: bool, int8: bool, head: int, vocab: int, hidden: torch.Tensor,
-                  rows: list[int]) -> torch.Tensor:
-    """draft.c's draft_logprobs: rows `rows` of fp32 hidden [*, H] (contiguous) through a head of `vocab` rows at
-    address `head` (gemm.c's panels, bf16 or fp32, or an int8 weight), log-softmaxed: [len(rows), vocab] fp32."""
-    out = torch.empty(len(rows), vocab, dtype=torch.float32)
-    if lib.draft_logprobs(int(bf16), int(int8), head, vocab, hidden.shape[1], hidden.data_ptr(),
-                          (ctypes.c_int64 * len(rows))(*rows), len(rows), out.data_ptr()):
+    out = torch.empty(len(rows), O, dtype=torch.float32)
+    if lib.draft_logprobs(int(bf16), int(int8), head, O, I, hidden.data_ptr(), (ctypes.c_int64 * len(rows))(*rows),
+                          len(rows), out.data_ptr()):
         raise MemoryError("native drafter head: out of memory")
     return out

@@ -49,6 +49,14 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
+def int8_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, I] . w [O, I]^T as csrc/gemm.c's int8 products compute it: both quantized per row, exact integer
+    sums, then times the input row's scale and the weight row's (fp32 [M, O])."""
+    qx, sx = quantize(x)
+    qw, sw = quantize(w)
+    return (qx.long() @ qw.long().T).float() * sx[:, None] * sw[None, :]
+
+
 def pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [O, I] (I a multiple of INT8_INPUTS) quantized per output column and packed: (panels, scales [O], sums
     [O] of each column's int8 weights, int32)."""

@@ -147,9 +147,9 @@ static void log_softmax_row(float *x, int n) {
 
 /* The drafter's log-probabilities over its draft vocabulary for the block rows that draft: rows rows[0..R) of
  * hidden [*, H] (final-normed, fp32) through the head's packed panels [S, H] (the target's lm_head rows of the
- * draft vocabulary; bf16 when bf16 is set, else fp32; an Int8Weight when i8 is set), log-softmaxed; out [R, S] fp32. One call for what the pass
- * hands the tree: the head's product (gemm.c, each row's sums its own) and the normalization. Returns 0, or -1
- * when out of memory. */
+ * draft vocabulary; bf16 when bf16 is set, else fp32; an Int8Weight when i8 is set), log-softmaxed; out [R, S]
+ * fp32. One call for what the pass hands the tree: the head's product (gemm.c, each row's sums its own) and the
+ * normalization. Returns 0, or -1 when out of memory. */
 int draft_logprobs(int bf16, int i8, const void *head, int S, int H, const float *hidden, const int64_t *rows, int R,
                    float *out) {
     StepModel m;
