@@ -129,6 +129,29 @@ def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, ou
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 20, 40])  # on AMX: one group, a pair, more than a pair
+def test_products_are_the_same_bits_whatever_the_threads(lib, tiles, dtype, rows):
+    """The threads split the panels by taking units from shares (csrc/share.h), so which thread computes a panel
+    varies from call to call: every panel is computed exactly once, to the same bits, with 1, 2, 3 or 5 threads
+    (more threads than this machine's cores take from each other's shares as well)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(520, 576, generator=g).to(dtype)  # 33 panels (a partial one): units of 4 and 8 end unevenly
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    packed = pack_panels(w)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            outs.append(_gemm(lib, packed, x, 520))
+    finally:
+        torch.set_num_threads(before)
+    assert not outs[0][:, :520].isnan().any() and outs[0][:, 520:].isnan().all()
+    for out in outs[1:]:
+        assert torch.equal(out[:, :520], outs[0][:, :520]) and out[:, 520:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_panel_linear_takes_any_row_count(lib, dtype):
     """panel_linear (the drafter's head on gemm.c): fp32 sums of x rounded to the weight's dtype, for any number
     of rows and leading shape; the pack follows an in-place change; no answer where gradients are on."""

@@ -4,10 +4,10 @@
  * A decode step multiplies one row by every weight matrix and is bound by reading the weights; a tree verify or
  * a serving round multiplies 8-64 rows, which costs compute as well. Both run here as register tiles of up to
  * 8 rows x up to 8 panels: per step along I, each weight vector is loaded once and used by every row of the
- * tile, each row's input is broadcast once and used by every panel. Each thread owns a contiguous range of
- * panels and walks it in blocks; every group of rows meets a block while it is still in cache, so the weights
- * stream from memory once per forward whatever M is, fetched ahead of the compute (PRODUCT) so that the stream
- * and the dot products overlap.
+ * tile, each row's input is broadcast once and used by every panel. The threads take the panels a few at a
+ * time, each from its own contiguous share first (share.h); every group of rows meets those panels while they
+ * are still in cache, so the weights stream from memory once per forward whatever M is, fetched ahead of the
+ * compute (PRODUCT) so that the stream and the dot products overlap.
  *
  * Packed layouts (16 = output columns of a panel, lanes of a vector):
  *   bf16: [O/16][I/2][16][2], the k-pairs VDPBF16PS consumes (input I even);
@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "share.h"
 #include "simd.h"
 
 #ifdef CASTSPEC_AVX2
@@ -35,7 +36,8 @@
  * output in order: a long sum's rounding error grows with its number of sequential additions, and one chain over
  * all of I lost accuracy against fp32 (greedy agreement, docs/performance.md). */
 #define KCHUNK 16
-#define BLOCK 24 /* panels per block: a multiple of every tile width below */
+#define BLOCK 24 /* most panels per block when several row groups share it: a multiple of every tile width below */
+#define UNIT 8   /* panels a thread takes at a time when one row group passes over them (share.h) */
 /* Products of at least PREFETCH_MIN_ROWS rows fetch each weight line PREFETCH_LINES steps along I ahead: their
  * compute per line is long enough that the hardware prefetcher falls behind (docs/performance.md). With several
  * row groups, blocks hold at most BLOCK_BYTES of weights, so that the block being multiplied and the next one fit
@@ -281,25 +283,28 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
     }
 #endif
 
-/* Each thread walks its own range of panels in blocks, and every group of up to MAX_R rows passes over a block
- * while it is in cache, so the weights stream from memory once whatever M is. The first group fetches its lines
- * ahead; with several groups, every group also fetches its share of the next block's lines into L2, so that the
- * stream overlaps all of the compute, and blocks are smaller (BLOCK_BYTES). The order of work changes no bits:
- * every output sums the same steps in the same order. TILE(R, NB, b) sees blk, m0, fetch. */
+/* The threads take the panels a unit at a time (share.h: a unit of UNIT panels, or with several row groups a
+ * block), and every group of up to MAX_R rows passes over a unit while it is in cache, so the weights stream
+ * from memory once whatever M is. The first group fetches its lines ahead; with several groups, every group also
+ * fetches its share of the next block's lines into L2 (the block its thread most likely takes next: the next one
+ * of its share), so that the stream overlaps all of the compute, and blocks are smaller (BLOCK_BYTES). The order
+ * of work changes no bits: every output sums the same steps in the same order. TILE(R, NB, b) sees blk, m0,
+ * fetch. */
 #define PRODUCT(TILE, panel_bytes)                                                                        \
     const int panels = (O + 15) / 16, groups = (M + MAX_R - 1) / MAX_R;                                   \
     const int ahead = M >= PREFETCH_MIN_ROWS ? PREFETCH_LINES : 0;                                        \
-    int block = BLOCK;                                                                                    \
+    int block = UNIT;                                                                                     \
     if (groups > 1) {                                                                                     \
         block = (int)(BLOCK_BYTES / (panel_bytes)) / 3 * 3; /* whole 8-row tiles */                       \
         block = block < 3 ? 3 : block > BLOCK ? BLOCK : block;                                            \
     }                                                                                                     \
-    _Pragma("omp parallel") {                                                                             \
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();                                    \
-        const int first = (int)((int64_t)panels * t / n), last = (int)((int64_t)panels * (t + 1) / n);    \
-        for (int blk = first; blk < last; blk += block) {                                                 \
-            const int np = last - blk < block ? last - blk : block;                                       \
-            const int64_t next = FETCH_NEXT && groups > 1 && blk + block < last ? (int64_t)block * pstride : 0; \
+    const int nt = omp_get_max_threads();                                                                 \
+    Share shares[nt];                                                                                     \
+    shares_init(shares, nt, (panels + block - 1) / block);                                                \
+    _Pragma("omp parallel num_threads(nt)") {                                                             \
+        for (int u; (u = shares_next(shares, nt, omp_get_thread_num())) >= 0;) {                          \
+            const int blk = u * block, np = panels - blk < block ? panels - blk : block;                  \
+            const int64_t next = FETCH_NEXT && groups > 1 && blk + block < panels ? (int64_t)block * pstride : 0; \
             for (int g = 0; g < groups; ++g) {                                                            \
                 const int m0 = g * MAX_R, R = M - m0 < MAX_R ? M - m0 : MAX_R;                            \
                 if ((g == 0 && ahead) || next) {                                                          \
@@ -433,14 +438,17 @@ AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, in
     const int esz = q ? 1 : 2, steps = I * esz / 64;
     const int64_t pstride = (int64_t)16 * I * esz; /* bytes per panel */
     const int groups = (M + 15) / 16, panels = (O + 15) / 16;
-    _Pragma("omp parallel") {
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();
-        const int first = (int)((int64_t)panels * t / n), last = (int)((int64_t)panels * (t + 1) / n);
+    /* units of work (share.h): a step of one group (4 panels) or two of a pair; with more than one pair, 8
+     * panels, which every pair multiplies while they are in cache */
+    const int unit = groups > 2 ? 8 : 4, nt = omp_get_max_threads();
+    Share shares[nt];
+    shares_init(shares, nt, (panels + unit - 1) / unit);
+    _Pragma("omp parallel num_threads(nt)") {
         float buf[16 * 16];
         amx_configure();
-        for (int blk = first; blk < last; blk += BLOCK) {
-            const int bend = last - blk < BLOCK ? last : blk + BLOCK;
-            /* groups in pairs: the first pair streams the block from memory, later ones (more than 32 rows)
+        for (int u; (u = shares_next(shares, nt, omp_get_thread_num())) >= 0;) {
+            const int blk = u * unit, bend = panels - blk < unit ? panels : blk + unit;
+            /* groups in pairs: the first pair streams the unit from memory, later ones (more than 32 rows)
              * read it again from cache (pairs measured faster than sets of 3-4 groups sharing one weight tile,
              * whose inputs' loads then outweigh the weights') */
             for (int g0 = 0; g0 < groups; g0 += 2) {

@@ -1,0 +1,48 @@
+/* How the threads of a parallel region split a product's panels: each starts on its own contiguous share, and one
+ * that finishes early takes the rest of another's share from its far end.
+ *
+ * Why: a product of these forwards streams its weights from memory, and the two halves of a static split finish
+ * far apart on a shared machine (one core gets less of the memory's bandwidth than the other, and which one
+ * changes from minute to minute): the early thread idled for a sixth of a decode step's products
+ * (docs/performance.md). Taking work from the far end keeps both threads streaming contiguous memory until their
+ * paths meet. Which thread computes a unit changes no bits (gemm.c computes every output alike wherever it runs).
+ */
+#ifndef CASTSPEC_SHARE_H
+#define CASTSPEC_SHARE_H
+
+#include <stdint.h>
+
+/* One thread's share of the units: [front, back), packed in one word so that its owner (from the front) and a
+ * thief (from the back) claim a unit with one compare-and-swap; a cache line each, so that owners do not
+ * contend. */
+typedef struct {
+    _Alignas(64) uint64_t span;
+} Share;
+
+/* Splits units [0, units) into n contiguous shares. */
+static inline void shares_init(Share *s, int n, int units) {
+    for (int t = 0; t < n; ++t) {
+        const uint64_t lo = (uint64_t)((int64_t)units * t / n), hi = (uint64_t)((int64_t)units * (t + 1) / n);
+        s[t].span = lo << 32 | hi;
+    }
+}
+
+/* The next unit for thread t of n: the front of its own share, then the back of the others', in turn; -1 when
+ * every unit is taken. Every unit goes to exactly one caller, whatever the team's size (a share whose owner is
+ * missing from the team is taken from its back). */
+static inline int shares_next(Share *s, int n, int t) {
+    for (int k = 0; k < n; ++k) {
+        Share *sh = &s[(t + k) % n];
+        uint64_t old = __atomic_load_n(&sh->span, __ATOMIC_RELAXED);
+        for (;;) {
+            const uint32_t front = (uint32_t)(old >> 32), back = (uint32_t)old;
+            if (front >= back) break;
+            const uint64_t next = k == 0 ? (uint64_t)(front + 1) << 32 | back : (uint64_t)front << 32 | (back - 1);
+            if (__atomic_compare_exchange_n(&sh->span, &old, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                return (int)(k == 0 ? front : back - 1);
+        }
+    }
+    return -1;
+}
+
+#endif
