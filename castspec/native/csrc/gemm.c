@@ -302,8 +302,9 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
     Share shares[nt];                                                                                     \
     shares_init(shares, nt, (panels + block - 1) / block);                                                \
     _Pragma("omp parallel num_threads(nt)") {                                                             \
-        for (int u; (u = shares_next(shares, nt, omp_get_thread_num())) >= 0;) {                          \
-            const int blk = u * block, np = panels - blk < block ? panels - blk : block;                  \
+        for (int u, e; (u = shares_take(shares, nt, omp_get_thread_num(), &e)) >= 0;)                     \
+        for (int blk = u * block; blk < e * block && blk < panels; blk += block) {                        \
+            const int np = panels - blk < block ? panels - blk : block;                                   \
             const int64_t next = FETCH_NEXT && groups > 1 && blk + block < panels ? (int64_t)block * pstride : 0; \
             for (int g = 0; g < groups; ++g) {                                                            \
                 const int m0 = g * MAX_R, R = M - m0 < MAX_R ? M - m0 : MAX_R;                            \
@@ -446,8 +447,9 @@ AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, in
     _Pragma("omp parallel num_threads(nt)") {
         float buf[16 * 16];
         amx_configure();
-        for (int u; (u = shares_next(shares, nt, omp_get_thread_num())) >= 0;) {
-            const int blk = u * unit, bend = panels - blk < unit ? panels : blk + unit;
+        for (int u, e; (u = shares_take(shares, nt, omp_get_thread_num(), &e)) >= 0;)
+        for (int blk = u * unit; blk < e * unit && blk < panels; blk += unit) {
+            const int bend = panels - blk < unit ? panels : blk + unit;
             /* groups in pairs: the first pair streams the unit from memory, later ones (more than 32 rows)
              * read it again from cache (pairs measured faster than sets of 3-4 groups sharing one weight tile,
              * whose inputs' loads then outweigh the weights') */

@@ -27,19 +27,23 @@ static inline void shares_init(Share *s, int n, int units) {
     }
 }
 
-/* The next unit for thread t of n: the front of its own share, then the back of the others', in turn; -1 when
- * every unit is taken. Every unit goes to exactly one caller, whatever the team's size (a share whose owner is
- * missing from the team is taken from its back). */
-static inline int shares_next(Share *s, int n, int t) {
+/* The next units for thread t of n, [first, *end): from the front of its own share a quarter of what is left of
+ * it (at least one: few claims while much is left, single units near the end), then single units from the back
+ * of the others' shares, in turn; -1 when every unit is taken. Every unit goes to exactly one caller, whatever
+ * the team's size (a share whose owner is missing from the team is taken from its back). */
+static inline int shares_take(Share *s, int n, int t, int *end) {
     for (int k = 0; k < n; ++k) {
         Share *sh = &s[(t + k) % n];
         uint64_t old = __atomic_load_n(&sh->span, __ATOMIC_RELAXED);
         for (;;) {
             const uint32_t front = (uint32_t)(old >> 32), back = (uint32_t)old;
             if (front >= back) break;
-            const uint64_t next = k == 0 ? (uint64_t)(front + 1) << 32 | back : (uint64_t)front << 32 | (back - 1);
-            if (__atomic_compare_exchange_n(&sh->span, &old, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            const uint32_t take = k == 0 ? (back - front + 3) / 4 : 1;
+            const uint64_t next = k == 0 ? (uint64_t)(front + take) << 32 | back : (uint64_t)front << 32 | (back - 1);
+            if (__atomic_compare_exchange_n(&sh->span, &old, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+                *end = (int)(k == 0 ? front + take : back);
                 return (int)(k == 0 ? front : back - 1);
+            }
         }
     }
     return -1;
