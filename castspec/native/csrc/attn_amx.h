@@ -70,6 +70,7 @@ typedef struct {
 #ifdef CASTSPEC_AVX512
 
 #include "amx.h"
+#include "share.h"
 
 /* How many leading keys of a row are slots 0, 1, 2, ...: its list ascends through distinct slots, so keys[j] ==
  * j holds exactly for j below that count (binary search). */
@@ -337,8 +338,9 @@ AMX static void attend_block_amx(const StepModel *m, const RowAttn *rows, int nb
 
 /* layer.h's attention for M rows on AMX tiles: blocks of consecutive rows that share a cache, up to 16 / group
  * rows each, times the key/value heads, spread over the threads. Work items run head by head over each cache's
- * blocks, and each thread takes a contiguous range of them (split by their keys), so that a thread's blocks of
- * one cache and head reuse its tiles (TileCache). scratch: amx_attn_floats(S32, d) per thread. */
+ * blocks, and each thread starts on a contiguous range of them (split by their keys), so that a thread's blocks
+ * of one cache and head reuse its tiles (TileCache); one that finishes early takes items from the far end of
+ * another's range (share.h). scratch: amx_attn_floats(S32, d) per thread. */
 AMX static void attention_amx(const StepModel *m, int M, const float *q, int64_t ldq, const RowAttn *rows,
                                    int S32, float *scratch, float *heads_out) {
     const int d = m->head_dim, group = m->heads / m->kv_heads, per = 16 / group, nkv = m->kv_heads;
@@ -367,21 +369,28 @@ AMX static void attention_amx(const StepModel *m, int M, const float *q, int64_t
             }
         b0 = b1;
     }
-#pragma omp parallel if (items > 1 && (int64_t)M * rows[0].n >= 64)
+    /* each thread's share: the items whose middle falls in its share of all keys (contiguous ranges); one that
+     * finishes early takes items from the far end of another's (share.h) */
+    const int nt = omp_get_max_threads();
+    Share shares[nt];
+    for (int t = 0, it = 0; t < nt; ++t) {
+        const int lo = it;
+        while (it < items && (t == nt - 1 || (cum[it] + cum[it + 1]) * nt / (2 * cum[items]) <= t)) ++it;
+        share_set(&shares[t], lo, it);
+    }
+#pragma omp parallel num_threads(nt) if (items > 1 && (int64_t)M * rows[0].n >= 64)
     {
         amx_configure();
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int t = omp_get_thread_num();
         Arena mine = {(char *)(scratch + (int64_t)t * amx_attn_floats(S32, d)), 0};
         const AmxAttnScratch w = amx_attn_scratch(&mine, S32, d);
         TileCache tc = {NULL, 0, 0};
-        for (int it = 0; it < items; ++it) {
-            /* the thread whose share of all keys holds this item's middle: contiguous ranges */
-            const int owner = (int)((cum[it] + cum[it + 1]) * nt / (2 * cum[items]));
-            if ((owner < nt ? owner : nt - 1) != t) continue;
-            const int b = order[2 * it], kvh = order[2 * it + 1], r0 = starts[b];
-            attend_block_amx(m, rows + r0, starts[b + 1] - r0, kvh, group, kvh * group, q + r0 * ldq, ldq, S32, &w,
-                             &tc, heads_out + (int64_t)r0 * m->heads * d);
-        }
+        for (int first, end; (first = shares_take(shares, nt, t, &end)) >= 0;)
+            for (int it = first; it < end; ++it) {
+                const int b = order[2 * it], kvh = order[2 * it + 1], r0 = starts[b];
+                attend_block_amx(m, rows + r0, starts[b + 1] - r0, kvh, group, kvh * group, q + r0 * ldq, ldq, S32,
+                                 &w, &tc, heads_out + (int64_t)r0 * m->heads * d);
+            }
         _tile_release();
     }
     free(starts);

@@ -19,12 +19,12 @@ typedef struct {
     _Alignas(64) uint64_t span;
 } Share;
 
-/* Splits units [0, units) into n contiguous shares. */
+/* A share of units [lo, hi). */
+static inline void share_set(Share *s, int lo, int hi) { s->span = (uint64_t)lo << 32 | (uint32_t)hi; }
+
+/* Splits units [0, units) into n contiguous shares of about equal counts. */
 static inline void shares_init(Share *s, int n, int units) {
-    for (int t = 0; t < n; ++t) {
-        const uint64_t lo = (uint64_t)((int64_t)units * t / n), hi = (uint64_t)((int64_t)units * (t + 1) / n);
-        s[t].span = lo << 32 | hi;
-    }
+    for (int t = 0; t < n; ++t) share_set(&s[t], (int)((int64_t)units * t / n), (int)((int64_t)units * (t + 1) / n));
 }
 
 /* The next units for thread t of n, [first, *end): from the front of its own share a quarter of what is left of
