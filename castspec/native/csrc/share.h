@@ -1,11 +1,11 @@
 /* How the threads of a parallel region split a product's panels: each starts on its own contiguous share, and one
  * that finishes early takes the rest of another's share from its far end.
  *
- * Why: a product of these forwards streams its weights from memory, and the two halves of a static split finish
- * far apart on a shared machine (one core gets less of the memory's bandwidth than the other, and which one
- * changes from minute to minute): the early thread idled for a sixth of a decode step's products
- * (docs/performance.md). Taking work from the far end keeps both threads streaming contiguous memory until their
- * paths meet. Which thread computes a unit changes no bits (gemm.c computes every output alike wherever it runs).
+ * Why: a product of these forwards streams its weights from memory, and the two halves of a static split can
+ * finish far apart on a shared machine (one core gets less of the memory's bandwidth than the other, and which
+ * one changes from minute to minute), the early thread then idle (docs/performance.md). Taking work from the far
+ * end keeps both threads streaming contiguous memory until their paths meet. Which thread computes a unit
+ * changes no bits (gemm.c computes every output alike wherever it runs).
  */
 #ifndef CASTSPEC_SHARE_H
 #define CASTSPEC_SHARE_H
