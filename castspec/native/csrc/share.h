@@ -1,5 +1,5 @@
-/* How the threads of a parallel region split a product's panels: each starts on its own contiguous share, and one
- * that finishes early takes the rest of another's share from its far end.
+/* How the threads of a parallel region split their work (a product's panels, attention's work items): each starts
+ * on its own contiguous share, and one that finishes early takes the rest of another's share from its far end.
  *
  * Why: a product of these forwards streams its weights from memory, and the two halves of a static split can
  * finish far apart on a shared machine (one core gets less of the memory's bandwidth than the other, and which
@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* One thread's share of the units: [front, back), packed in one word so that its owner (from the front) and a
- * thief (from the back) claim a unit with one compare-and-swap; a cache line each, so that owners do not
+ * thief (from the back) claim units with one compare-and-swap; a cache line each, so that owners do not
  * contend. */
 typedef struct {
     _Alignas(64) uint64_t span;
