@@ -430,6 +430,35 @@ def test_native_drafter_pass_matches_torch(dtype):
 
 @pytest.mark.usefixtures("lib")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pass_of_many_requests_gives_each_the_bits_of_its_own_pass(dtype):
+    """A pass of 12 requests (84 block rows, 90 context rows: draft.c's per-row norms, RoPE and cache writes then
+    run on every thread) gives every request the log-probabilities and drafter cache of its pass alone, bit for
+    bit, in two rounds."""
+    target = native_target(make_hf(llama_config(vocab=64), seed=1), dtype)
+    drafter = random_drafter(target, block_size=7).converted(dtype)
+    drafter.set_draft_vocab(torch.arange(0, 64, 2))  # its head on gemm.c, in the same call, as a shipped drafter's
+    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size
+    g = torch.Generator().manual_seed(5)
+    many, alone = ([DraftState(drafter, 64) for _ in range(12)] for _ in range(2))
+    roots = [int(r) for r in torch.randint(0, 64, (12,), generator=g)]
+    with torch.inference_mode():
+        for new_rows in ([9, 5, 8, 6, 7, 10, 9, 4, 8, 7, 9, 8], [1, 2, 1, 1, 3, 1, 1, 2, 1, 1, 1, 2]):
+            for a, b, n in zip(many, alone, new_rows):
+                f = torch.randn(1, n, width, generator=g).to(dtype)
+                a.add_context(f)
+                b.add_context(f)
+            together = propose_batch(target, drafter, many, roots, [5] * 12)
+            assert drafter.backend.active
+            for st, root, got in zip(alone, roots, together):
+                want = propose_batch(target, drafter, [st], [root], [5])[0]
+                assert torch.equal(got.on_support, want.on_support) and torch.equal(got.support, want.support)
+    for a, b in zip(many, alone):
+        assert a.cache.length == b.cache.length
+        assert torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v)
+
+
+@pytest.mark.usefixtures("lib")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_drafter_pass_gives_the_bits_of_block_and_head(dtype):
     """A pass through the draft vocabulary in one native call (draft_pass, once the drafter's native code is built
     and checked) gives the bits of draft_block and then the head's call: log-probabilities and drafter caches."""

@@ -34,6 +34,8 @@ typedef struct {
     float *x, *ctx, *n, *proj, *act, *heads_out, *probs;      /* [rows, H] x3, [rows, wide] [rows, F]
                                                                 [rows, nq] ATTN_PROBS */
     void *xs;                                                /* the bf16 products' inputs */
+    int32_t *ctx_seg, *blk_seg;                              /* [C] [T]: each row's segment */
+    int64_t *ctx_slot, *blk_slot;                            /* [C] [T]: its cache slot */
 } DraftScratch;
 
 static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16, DraftScratch *s) {
@@ -52,6 +54,10 @@ static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16,
     s->heads_out = take(a, f * rows * nq);
     s->probs = take(a, f * ATTN_PROBS(m, S16));
     s->xs = take(a, esz * io);
+    s->ctx_seg = take(a, sizeof(int32_t) * C);
+    s->blk_seg = take(a, sizeof(int32_t) * T);
+    s->ctx_slot = take(a, sizeof(int64_t) * C);
+    s->blk_slot = take(a, sizeof(int64_t) * T);
 }
 
 /* The context rows of every segment (features [C, fc_in], at RoPE positions ctx_pos, concatenated in segment
@@ -80,9 +86,18 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
     RowAttn *see = s.see;
     void *xs = s.xs;
 
+    /* each row's segment and cache slot: the rows' norms, RoPE and cache writes below are independent, so a pass
+     * of many requests runs them on every thread (FOR_ROWS) */
+    int32_t *ctx_seg = s.ctx_seg, *blk_seg = s.blk_seg;
+    int64_t *ctx_slot = s.ctx_slot, *blk_slot = s.blk_slot;
+    for (int g = 0, c = 0, t = 0; g < nseg; ++g) {
+        for (int j = 0; j < segs[g].ctx_rows; ++j, ++c) ctx_seg[c] = g, ctx_slot[c] = segs[g].start + j;
+        for (int j = 0; j < segs[g].block_rows; ++j, ++t)
+            blk_seg[t] = g, blk_slot[t] = segs[g].start + segs[g].ctx_rows + j;
+    }
     /* the context: fc over the concatenated taps, then hidden_norm */
     linear(m, dm->fc, NULL, features, C, H, FI, xs, n);
-    for (int c = 0; c < C; ++c) rms_norm(m, n + c * H, dm->hidden_norm, H, ctx + c * H);
+    FOR_ROWS(C, c, rms_norm(m, n + (int64_t)c * H, dm->hidden_norm, H, ctx + (int64_t)c * H));
     memcpy(x, block_emb, sizeof(float) * T * H);
 
     float *normed = ctx + (int64_t)C * H, *bproj = proj + (int64_t)C * qkv; /* the block's rows after the context's */
@@ -91,31 +106,26 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
         /* one product of the q|k|v weights for the fused context (no input norm; its k|v columns are its keys and
          * values) and the block's normed rows: the weights read once a layer. Each row's sums are its own
          * (gemm.c), so the context's keys are the bits a product of the k|v weights alone gives. */
-        for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, L->attn_norm, H, normed + t * H);
+        FOR_ROWS(T, t, rms_norm(m, x + (int64_t)t * H, L->attn_norm, H, normed + (int64_t)t * H));
         linear(m, L->qkv_w, L->qkv_b, ctx, C + T, qkv, H, xs, proj);
-        for (int g = 0, c = 0; g < nseg; ++g) {
-            const DraftSegment *sg = &segs[g];
+        FOR_ROWS(C, c, {
+            const DraftSegment *sg = &segs[ctx_seg[c]];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
-            void *K = kv_at(m, sg->k, layer), *V = kv_at(m, sg->v, layer);
-            for (int j = 0; j < sg->ctx_rows; ++j, ++c) {
-                float *row = proj + (int64_t)c * qkv + nq;
-                norm_rope_heads(m, L, row, 0, nkv, ctx_pos[c]);
-                write_kv(m, K, V, head_stride, sg->start + j, row, row + nk);
-            }
-        }
+            float *row = proj + (int64_t)c * qkv + nq;
+            norm_rope_heads(m, L, row, 0, nkv, ctx_pos[c]);
+            write_kv(m, kv_at(m, sg->k, layer), kv_at(m, sg->v, layer), head_stride, ctx_slot[c], row, row + nk);
+        });
         /* the blocks */
-        for (int g = 0, t = 0; g < nseg; ++g) {
-            const DraftSegment *sg = &segs[g];
+        FOR_ROWS(T, t, {
+            const DraftSegment *sg = &segs[blk_seg[t]];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
             const int S = (int)(sg->start + sg->ctx_rows + sg->block_rows);
             void *K = kv_at(m, sg->k, layer), *V = kv_at(m, sg->v, layer);
-            for (int j = 0; j < sg->block_rows; ++j, ++t) {
-                float *row = bproj + (int64_t)t * qkv;
-                norm_rope_heads(m, L, row, nh, nkv, block_pos[t]);
-                write_kv(m, K, V, head_stride, sg->start + sg->ctx_rows + j, row + nq, row + nq + nk);
-                see[t] = (RowAttn){K, V, head_stride, S, NULL}; /* everything */
-            }
-        }
+            float *row = bproj + (int64_t)t * qkv;
+            norm_rope_heads(m, L, row, nh, nkv, block_pos[t]);
+            write_kv(m, K, V, head_stride, blk_slot[t], row + nq, row + nq + nk);
+            see[t] = (RowAttn){K, V, head_stride, S, NULL}; /* everything */
+        });
         /* n (the fused context's scratch before the layers) holds attention's and the MLP's outputs */
         attention(m, L, T, bproj, qkv, see, S16, probs, heads_out, x, xs, n);
         mlp(m, L, T, x, n, proj, act, xs, n);
