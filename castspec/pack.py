@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .tree import Tree
@@ -32,25 +31,28 @@ class Pack:
         return torch.tensor([self.position_list], dtype=torch.long, device=self.device)
 
 
-def ancestor_cells(parents: list[int], offset: int = 0) -> tuple[list[int], list[int]]:
-    """The (row, column + offset) cells of the ancestor matrix that are set: row r marks r and its ancestors (row 0,
-    the root, itself). Parents come first, so each row's ancestors are its parent's plus itself."""
-    chains = [[offset]]
-    rows, cols = [0], [offset]
+def ancestor_rows(parents: list[int]) -> list[bytearray]:
+    """The pack's own block of the ancestor matrix, one row of len(parents) + 1 bytes per pack row (1 = may
+    attend): the root sees itself, and each node its parent's row plus itself (parents come first)."""
+    n = len(parents) + 1
+    root = bytearray(n)
+    root[0] = 1
+    rows = [root]
     for i, p in enumerate(parents, start=1):
-        chain = [*chains[p + 1], offset + i]
-        chains.append(chain)
-        rows += [i] * len(chain)
-        cols += chain
-    return rows, cols
+        row = bytearray(rows[p + 1])
+        row[i] = 1
+        rows.append(row)
+    return rows
 
 
 def pack_tree(tree: Tree, root: int, prefix_len: int, device) -> Pack:
     n = len(tree) + 1
     mask = None
     if n > 1:
-        full = np.zeros((n, prefix_len + n), dtype=bool)
-        full[:, :prefix_len] = True  # every row sees the whole cached prefix
-        full[ancestor_cells(tree.parents, prefix_len)] = True  # one numpy call for the tree's cells
-        mask = torch.from_numpy(full).to(device).view(1, 1, n, prefix_len + n)
+        # the mask's rows as bytes, joined into one buffer the tensor takes over: a round's few Python calls
+        # rather than numpy's fills and fancy indexing (host work runs on every round, its caches cold after the
+        # verify before it)
+        seen = b"\x01" * prefix_len  # every row sees the whole cached prefix
+        cells = bytearray(b"".join(seen + row for row in ancestor_rows(tree.parents)))
+        mask = torch.frombuffer(cells, dtype=torch.bool).view(1, 1, n, prefix_len + n).to(device)
     return Pack([root, *tree.tokens], [prefix_len, *(prefix_len + d for d in tree.depths)], mask, device)

@@ -138,6 +138,14 @@ def _draft_timings(target, drafter, seqs: list[Sequence], depth: int, prefix: in
     return ms, max(wide_ms - ms, 0.0) / max(len(seqs) * (wide - DRAFT_CONTEXT_ROWS), 1)
 
 
+def _top_chain_picks(tree) -> list[int]:
+    """The target's token at every pack row of `tree` for a walk down its top chain: each row's first child."""
+    picks = [-1] * (len(tree) + 1)
+    for token, parent in zip(reversed(tree.tokens), reversed(tree.parents)):
+        picks[parent + 1] = token  # reversed: the first child (best-first order) is written last
+    return picks
+
+
 def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, warmup: int = 2,
           top_k: int = 8, progress: bool = True, seed: int = 0) -> CostProfile:
     target, drafter = engine.target, engine.drafter
@@ -180,12 +188,13 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
                    torch.log_softmax(torch.randn(L, len(support), generator=g) * 4, dim=-1)).to(device)
         for n in packed:
             width = n - 1
+            picks = _top_chain_picks(build_tree(host_lp, width, top_k, support=support))
 
-            def host_work():
+            def host_work():  # a round that accepts its tree's top chain: the longest walk, a real compaction
                 tree = build_tree(host_lp, width, top_k, support=support)
                 pack_tree(tree, 0, 8, device)
-                greedy_walk(tree, [0] * (width + 1))
-                cache_seq.cache.compact(torch.arange(8, 8 + min(width, L) + 1, device=device), 8)
+                path, _ = greedy_walk(tree, picks)
+                cache_seq.cache.keep_rows(8, [0, *path])
 
             host[str(width)] = _median_ms(host_work, reps, warmup, device, step)
         floors = floors.best(Floors.measure(device, target.dtype))  # read again after the timings: the better

@@ -230,15 +230,11 @@ class Sequence:
         else:
             path, nxt = sampled_walk(tree, logits.cpu(), None if draft is None else draft.full, self.sampler,
                                      self.cfg.verifier == "direct", self.history)
-        P = self.prefix_len
         keep = [0, *path]
-        kept = None  # the accepted rows where they are not the first ones after the root (then gathered)
-        if keep[-1] != len(keep) - 1:
-            kept = torch.tensor(keep, device=self.target.device)
-            self.cache.compact(kept + P, P)
-        self.cache.length = P + len(keep)
-        if self.draft is not None:
-            self.draft.add_context(feats[:, :len(keep)] if kept is None else feats.index_select(1, kept))
+        self.cache.keep_rows(self.prefix_len, keep)
+        if self.draft is not None:  # the kept rows' features, a slice where they are the pack's first rows
+            self.draft.add_context(feats[:, :len(keep)] if keep[-1] == len(keep) - 1 else
+                                   feats.index_select(1, torch.tensor(keep, device=feats.device)))
         self.root = nxt
         return self._emit([tree.tokens[r - 1] for r in path] + [nxt], logits, [0, *path]), path
 

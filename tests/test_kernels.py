@@ -402,3 +402,18 @@ def test_argmax_and_topk_rows_in_the_avx2_build(monkeypatch):
         check_topk_rows()
     finally:
         native.library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keep_slots_moves_a_walked_packs_rows_as_indexed_copies_do(lib, dtype):
+    """The native move of a verify pack's kept cache rows (keep_slots) against torch's indexed copies, in every
+    layer and head of keys and values, and None of it where it does not apply (a strided cache)."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(3, 1, 2, 20, 16, generator=g).to(dtype) for _ in range(2))
+    src, dst = [9, 12, 13, 17], 8
+    want_k, want_v = k.clone(), v.clone()
+    for t in (want_k, want_v):
+        t[:, :, :, dst:dst + len(src)] = t.index_select(3, torch.tensor(src))
+    assert native.keep_slots(k, v, src, dst)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert not native.keep_slots(k[..., ::2], v[..., ::2], src, dst) and not native.keep_slots(k, v.double(), src, dst)

@@ -1,7 +1,7 @@
 """Static, preallocated KV cache written at explicit slots.
 
 Slots are storage order, not positions: a packed tree writes its N+1 nodes to consecutive slots while their
-RoPE positions are prefix length + depth. After verification `compact` moves the committed nodes down so
+RoPE positions are prefix length + depth. After verification `keep_rows` moves the committed nodes down so
 that slot == position again for everything kept.
 
 Caches hold the model's dtype on every device: keys and values are computed in fp32 and rounded as they are
@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..native import build as native
 
 
 class KVCache:
@@ -43,12 +45,17 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
-    def compact(self, keep_slots: torch.Tensor, dst: int) -> None:
-        """Gather `keep_slots` (ascending, all >= dst) to [dst, dst+len) for every layer in one indexed copy."""
-        n = keep_slots.numel()
-        self.k[:, :, :, dst:dst + n] = self.k.index_select(3, keep_slots)
-        self.v[:, :, :, dst:dst + n] = self.v.index_select(3, keep_slots)
-        self.length = dst + n
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """After a pack written from slot `start`, keep its rows `rows` (ascending, row 0 first) at slots start,
+        start + 1, ...: the rows already in place stay (all of them when the path is the pack's first rows), the
+        others move down (one native call on the CPU, else an indexed copy for keys and one for values)."""
+        moved = next((i for i, r in enumerate(rows) if r != i), len(rows))  # rows[i] >= i: every later one moves
+        src = [start + r for r in rows[moved:]]
+        if src and not native.keep_slots(self.k, self.v, src, start + moved):
+            src, dst = torch.tensor(src, device=self.k.device), slice(start + moved, start + len(rows))
+            self.k[:, :, :, dst] = self.k.index_select(3, src)
+            self.v[:, :, :, dst] = self.v.index_select(3, src)
+        self.length = start + len(rows)
 
     def copy_prefix(self, other: "KVCache", n: int) -> None:
         """Take `other`'s first n slots (a forked sequence shares its parent's prompt)."""

@@ -46,7 +46,7 @@ class DraftSegment(ctypes.Structure):
 
 SHARED = {cls.__name__: cls for cls in (Layer, StepModel, Int8Weight, Segment, DraftModel, DraftSegment)}
 
-_P, _I = ctypes.c_void_p, ctypes.c_int
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {  # name: (argument types, result type)
     "skinny_bf16": ([_P] * 3 + [_I] * 5, None),
     "skinny_bf16_f32": ([_P] * 3 + [_I] * 5, None),
@@ -60,6 +60,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P], _I),
     "argmax_rows": ([_P, _I, _I, _P], None),
     "topk_rows": ([_P, _I, _I, _I, _P, _P, _P], _I),
+    "keep_slots": ([_P, _P, _L, _L, _L, _P, _L, _I], None),
     "draft_logprobs": ([_I, _I, _P, _I, _I, _P, _P, _I, _P], _I),
     "draft_pass": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _P], _I),
 }

@@ -312,6 +312,22 @@ def topk_rows(x: torch.Tensor, k: int,
     return vals, toks
 
 
+def keep_slots(k: torch.Tensor, v: torch.Tensor, src: list[int], dst: int) -> bool:
+    """Cache slots src[i] (ascending, each above dst + i) copied to dst + i in every layer and head of the keys k and
+    values v [layers, B, heads, capacity, d] in one call; False where it does not apply (not the CPU, not
+    contiguous, k and v unlike) or without the library: then torch's indexed copies."""
+    if (k.device.type != "cpu" or not k.is_contiguous() or not v.is_contiguous() or k.shape != v.shape
+            or k.dtype != v.dtype or k.dim() != 5):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    capacity, d = k.shape[3], k.shape[4]
+    lib.keep_slots(k.data_ptr(), v.data_ptr(), k.numel() // (capacity * d), capacity, d * k.element_size(),
+                   (ctypes.c_int64 * len(src))(*src), dst, len(src))
+    return True
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """x [..., I] @ weight[O, I]^T for at most MAX_ROWS[dtype] rows on CPU, or None when the kernels do not
     apply; in x's dtype, or fp32 sums for bf16 inputs with out_dtype=torch.float32."""

@@ -167,6 +167,18 @@ void argmax_rows(const float *logits, int R, int V, int64_t *out) {
     for (int r = 0; r < R; ++r) out[r] = first_argmax(logits + (int64_t)r * V, V);
 }
 
+/* Moves a walked verify pack's kept cache rows down: in every plane (a layer's kv head) of k and of v, slot dst + i
+ * takes slot src[i], for ascending sources above their destinations (so none is overwritten before it is read).
+ * One call for all layers, where indexed copies cost a round several framework calls. */
+void keep_slots(void *k, void *v, int64_t planes, int64_t capacity, int64_t row_bytes, const int64_t *src,
+                int64_t dst, int n) {
+    for (int t = 0; t < 2; ++t)
+        for (int64_t p = 0; p < planes; ++p) {
+            char *plane = (char *)(t ? v : k) + p * capacity * row_bytes;
+            for (int i = 0; i < n; ++i) memcpy(plane + (dst + i) * row_bytes, plane + src[i] * row_bytes, row_bytes);
+        }
+}
+
 /* Puts value x of token t into the list vals/toks (n entries, descending; equal values by token id, the smaller
  * first), keeping at most k entries. */
 static void top_insert(float *vals, int64_t *toks, int *n, int k, float x, int64_t t) {
