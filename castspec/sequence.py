@@ -104,9 +104,9 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
         block_pos.extend(min(p, max_pos) for p in range(root_pos, root_pos + L + 1))
         segments.append(DraftSegment(st.cache, start, ctx_len, L + 1))
         st.pending = None
+    block = torch.tensor([block_ids, block_pos], device=device)  # one tensor made, not two
     return drafter.propose_segments(  # one head product for all blocks
-        target, target.embed(torch.tensor([block_ids], device=device)), torch.tensor([block_pos], device=device),
-        feats[0] if len(feats) == 1 else torch.cat(feats, dim=1),
+        target, block[:1], block[1:], feats[0] if len(feats) == 1 else torch.cat(feats, dim=1),
         torch.tensor([ctx_pos], dtype=torch.long, device=device), segments, depths)
 
 

@@ -72,6 +72,8 @@ class Marginals:
 
     def split(self, depths: list[int]) -> list["Marginals"]:
         """Per-request marginals of a batched pass whose rows are the requests' blocks one after the other."""
+        if len(depths) == 1 and depths[0] == self.on_support.shape[0]:
+            return [self]  # a pass of one request: every round of a lone request
         if self.support is None:
             return [Marginals.dense(f) for f in self.on_support.split(depths)]
         return [Marginals(s, self.support, self.vocab_size) for s in self.on_support.split(depths)]

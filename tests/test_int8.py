@@ -88,8 +88,8 @@ def test_int8_drafter_pass_follows_its_bf16_weights(int8_lib):
     fast, ref, split = (_int8_drafter(target) for _ in range(3))
     ref.backend.use_torch()
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(split, "propose_segments", lambda target, *a: split.block_marginals(
-            split.forward_segments(*a[:-1])[0], a[-1], target))
+        mp.setattr(split, "propose_segments", lambda target, ids, *a: split.block_marginals(
+            split.forward_segments(target.embed(ids), *a[:-1])[0], a[-1], target))
         rounds = [_drafting(target, m, torch.Generator().manual_seed(4)) for m in (fast, ref, split)]
     assert isinstance(fast.backend.built, NativeDraft) and fast.backend.built.int8 and fast.backend.checked
     for got, want, two_calls in zip(*rounds):

@@ -476,9 +476,9 @@ def test_one_call_drafter_pass_gives_the_bits_of_block_and_head(dtype):
 
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(NativeDraft, "marginals", counting)
-        # `split` runs the pass as two calls: forward_segments, then block_marginals
-        mp.setattr(split, "propose_segments", lambda target, *a: split.block_marginals(
-            split.forward_segments(*a[:-1])[0], a[-1], target))
+        # `split` runs the pass as three steps: the embedding, forward_segments, then block_marginals
+        mp.setattr(split, "propose_segments", lambda target, ids, *a: split.block_marginals(
+            split.forward_segments(target.embed(ids), *a[:-1])[0], a[-1], target))
         rounds, states = _drafting_rounds(target, (fused, split), dtype, g)
         for got, want in rounds:
             for x, y in zip(got, want):

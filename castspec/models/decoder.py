@@ -69,6 +69,11 @@ class Decoder(nn.Module):
         c = self.cfg
         return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
 
+    @property
+    def embedding_table(self) -> torch.Tensor:
+        """The token embeddings [V, H] (model dtype) that `embed` reads."""
+        return self.model.embed_tokens.weight
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows in fp32 (the activations' dtype; bf16 rows widen exactly)."""
         return self.model.embed_tokens(ids).float()

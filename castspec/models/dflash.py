@@ -124,25 +124,32 @@ class DFlashDrafter(nn.Module):
                 return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
         return self.marginals(hidden[rows], target).split(depths)
 
-    def propose_segments(self, target, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
+    def propose_segments(self, target, block_ids: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
                          ctx_pos: torch.Tensor, segments: list[DraftSegment], depths: list[int]) -> list[Marginals]:
-        """`forward_segments` and then `block_marginals` (the arguments of both): where the pass runs on draft.c
-        (once its code is built and checked, by an earlier pass) with a draft vocabulary whose head gemm.c
-        multiplies, both in one native call, the same bits without the host's work between them."""
-        code = self.backend.code_for(self, block_emb, block_pos, features, ctx_pos, segments) \
+        """`forward_segments` of the blocks whose token ids are block_ids [1, T] (embedded by the target) and then
+        `block_marginals` (the other arguments of both): where the pass runs on draft.c (once its code is built
+        and checked, by an earlier pass) with a draft vocabulary whose head gemm.c multiplies, the embedding, the
+        pass and the head in one native call, the same bits without the host's work between them."""
+        code = self.backend.code_for(self, block_ids, block_pos, features, ctx_pos, segments) \
             if self.graphs is None and self.draft_vocab is not None else None
         if code is not None:
-            head = self.vocab_head(target)
-            if self._native_head(head):
-                sub = code.marginals(block_emb, block_pos, features, ctx_pos, segments, head,
-                                     self._drafting_rows(depths))
+            head, embed = self.vocab_head(target), target.embedding_table
+            if self._native_head(head) and self._native_embedding(embed):
+                sub = code.marginals(block_ids, block_pos, features, ctx_pos, segments, head,
+                                     self._drafting_rows(depths), embed)
                 return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
-        hidden = self.forward_segments(block_emb, block_pos, features, ctx_pos, segments)
+        hidden = self.forward_segments(target.embed(block_ids), block_pos, features, ctx_pos, segments)
         return self.block_marginals(hidden[0], depths, target)
 
     def _native_head(self, head: torch.Tensor) -> bool:
         """Whether the drafter's native code multiplies by this draft-vocabulary head (packing it as its layers)."""
         return head.dtype == self.dtype and packable(head)
+
+    def _native_embedding(self, table: torch.Tensor) -> bool:
+        """Whether the drafter's native pass reads its block rows from this embedding table [V, H] as it is: in the
+        drafter's dtype (the rows it reads widen to the fp32 rows `Decoder.embed` gives), contiguous."""
+        return (table.dtype == self.dtype and table.dim() == 2 and table.shape[1] == self.cfg.hidden_size
+                and table.is_contiguous())
 
     def _drafting_rows(self, depths: list[int]) -> list[int]:
         """The rows of a pass over len(depths) blocks whose marginals the trees read: block i's first depths[i]

@@ -62,7 +62,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "topk_rows": ([_P, _I, _I, _I, _P, _P, _P], _I),
     "keep_slots": ([_P, _P, _L, _L, _L, _P, _L, _I], None),
     "draft_logprobs": ([_I, _I, _P, _I, _I, _P, _P, _I, _P], _I),
-    "draft_pass": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _P], _I),
+    "draft_pass": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P], _I),
 }
 
 

@@ -439,19 +439,22 @@ class NativeDraft:
         return head_logprobs(self._lib, self._bf16, self.int8, self.head_address(head), tuple(head.shape), hidden,
                              rows)
 
-    def marginals(self, block_emb, block_pos, features, ctx_pos, segments, head: torch.Tensor,
-                  rows: list[int]) -> torch.Tensor:
-        """The same pass as `run` (the arguments of `DFlashDrafter.forward_segments`), then its block rows `rows`
-        through the draft vocabulary's head (`head` [S, H], the target's lm_head rows in the drafter's dtype) as
-        log-probabilities [len(rows), S] fp32, in one native call: what `run` and `logprobs` give one after the
-        other, bit for bit."""
-        block_emb, block_pos, features, ctx_pos = _flat_pass(block_emb, block_pos, features, ctx_pos)
+    def marginals(self, block_ids, block_pos, features, ctx_pos, segments, head: torch.Tensor, rows: list[int],
+                  embed: torch.Tensor) -> torch.Tensor:
+        """The same pass as `run` on block rows given by their ids (block_ids [1, T], rows of the target's
+        embedding table `embed` [V, H], which must be in the drafter's dtype and contiguous), then its block rows
+        `rows` through the draft vocabulary's head (`head` [S, H], the target's lm_head rows in the drafter's
+        dtype) as log-probabilities [len(rows), S] fp32, in one native call: what the table's rows, `run` and
+        `logprobs` give one after the other, bit for bit."""
+        block_pos, features, ctx_pos = _flat_positions_features(block_pos, features, ctx_pos)
+        block_ids = block_ids.reshape(-1).contiguous()
         vocab = head.shape[0]
         out = torch.empty(len(rows), vocab, dtype=torch.float32)
         rc = self._lib.draft_pass(ctypes.byref(self._model), len(segments), _draft_segments(segments),
-                                  features.shape[0], features.data_ptr(), ctx_pos.data_ptr(), block_emb.shape[0],
-                                  block_emb.data_ptr(), block_pos.data_ptr(), self.head_address(head), vocab,
-                                  (ctypes.c_int64 * len(rows))(*rows), len(rows), out.data_ptr())
+                                  features.shape[0], features.data_ptr(), ctx_pos.data_ptr(), block_ids.shape[0],
+                                  block_ids.data_ptr(), embed.data_ptr(), block_pos.data_ptr(),
+                                  self.head_address(head), vocab, (ctypes.c_int64 * len(rows))(*rows), len(rows),
+                                  out.data_ptr())
         if rc != 0:
             raise MemoryError("native drafter pass: out of memory")
         _advance_caches(segments)
@@ -471,8 +474,12 @@ def _int8_fits(drafter) -> bool:
 def _flat_pass(block_emb, block_pos, features, ctx_pos) -> tuple[torch.Tensor, ...]:
     """`DFlashDrafter.forward_segments`' arguments as draft.c reads them: block rows [T, H] and features
     [C, taps * H] in fp32, positions [T] and [C], all contiguous."""
-    return (block_emb[0].float().contiguous(), block_pos.reshape(-1).contiguous(), features[0].float().contiguous(),
-            ctx_pos.reshape(-1).contiguous())
+    return block_emb[0].float().contiguous(), *_flat_positions_features(block_pos, features, ctx_pos)
+
+
+def _flat_positions_features(block_pos, features, ctx_pos) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's positions [T], the features [C, taps * H] in fp32 and their positions [C], contiguous."""
+    return block_pos.reshape(-1).contiguous(), features[0].float().contiguous(), ctx_pos.reshape(-1).contiguous()
 
 
 def _advance_caches(segments) -> None:

@@ -178,18 +178,20 @@ int draft_logprobs(int bf16, int i8, const void *head, int S, int H, const float
     return 0;
 }
 
-/* A whole drafter pass in one call (NativeDraft.marginals): draft_block, then draft_logprobs of its block rows
+/* A whole drafter pass in one call (NativeDraft.marginals): its block rows embedded (block_ids, from the target's
+ * embedding table `embed` [*, hidden] in the drafter's dtype), draft_block, then draft_logprobs of its block rows
  * rows[0..R) through the draft vocabulary's head (packed as the drafter's layers are: panels [S, H] in its dtype,
- * or an Int8Weight). The same arithmetic as the two calls one after the other, without the host's work between
+ * or an Int8Weight). The same arithmetic as the three steps one after the other, without the host's work between
  * them, which is a large share of a pass this small. out [R, S]. Returns 0, or -1 when out of memory. */
 int draft_pass(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const float *features,
-               const int64_t *ctx_pos, int T, const float *block_emb, const int64_t *block_pos, const void *head,
-               int S, const int64_t *rows, int R, float *out) {
+               const int64_t *ctx_pos, int T, const int64_t *block_ids, const void *embed, const int64_t *block_pos,
+               const void *head, int S, const int64_t *rows, int R, float *out) {
     const int H = dm->base.hidden;
-    float *hidden = malloc(sizeof(float) * (size_t)T * H);
-    if (!hidden) return -1;
-    int rc = draft_block(dm, nseg, segs, C, features, ctx_pos, T, block_emb, block_pos, hidden);
+    float *block = malloc(sizeof(float) * 2 * (size_t)T * H), *hidden = block + (size_t)T * H;
+    if (!block) return -1;
+    embed_rows(&dm->base, embed, block_ids, T, block);
+    int rc = draft_block(dm, nseg, segs, C, features, ctx_pos, T, block, block_pos, hidden);
     if (rc == 0) rc = draft_logprobs(dm->base.bf16, dm->base.i8, head, S, H, hidden, rows, R, out);
-    free(hidden);
+    free(block);
     return rc;
 }

@@ -64,6 +64,17 @@ static inline __m512 load16(const StepModel *m, const void *p, int64_t i, __mmas
     return m->bf16 ? widen(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
 }
 
+/* Rows of the embedding `table` [*, hidden] (model dtype) for token ids, as fp32 (exact): a target forward's rows,
+ * a drafter pass's block. */
+static void embed_rows(const StepModel *m, const void *table, const int64_t *tokens, int M, float *x) {
+    const int H = m->hidden;
+    for (int r = 0; r < M; ++r)
+        for (int i = 0; i < H; i += 16) {
+            const __mmask16 k = lanes(H, i);
+            _mm512_mask_storeu_ps(x + r * H + i, k, load16(m, table, tokens[r] * H + i, k));
+        }
+}
+
 /* Sixteen elements of a cached key or value (bf16 or fp32 as `bf`, a constant wherever it is inlined) from
  * element i, as fp32. */
 static inline __attribute__((always_inline)) __m512 kv16(const void *p, int64_t i, int bf) {

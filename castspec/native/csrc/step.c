@@ -11,16 +11,6 @@
  */
 #include "layer.h"
 
-/* Rows of the embedding `table` [*, hidden] (model dtype) for token ids, as fp32 (exact). */
-static void embed_rows(const StepModel *m, const void *table, const int64_t *tokens, int M, float *x) {
-    const int H = m->hidden;
-    for (int r = 0; r < M; ++r)
-        for (int i = 0; i < H; i += 16) {
-            const __mmask16 k = lanes(H, i);
-            _mm512_mask_storeu_ps(x + r * H + i, k, load16(m, table, tokens[r] * H + i, k));
-        }
-}
-
 /* One request's rows in a forward: its cache ([layers, 1, kv_heads, capacity, head_dim] in the model's dtype),
  * where its rows' keys/values go (slots start ..), and what they see: mask [rows, start + rows] (nonzero =
  * visible) or, when NULL, slots [0, start + r] for its row r (a decode step, a causal prefill chunk). Same
