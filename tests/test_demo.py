@@ -105,3 +105,24 @@ def test_demo_command_exits_nonzero_on_an_fp32_difference(monkeypatch, capsys):
     assert code == 1
     assert err.startswith("castspec demo: FAILED: cast and ar part at output position 2")
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_each_method_runs_in_turn_and_reports_its_faster_run():
+    """With repeats, the methods alternate (ar, cast, ar, cast) on every prompt and each row is its method's
+    faster run, so a machine that slows between two runs does not decide the speedup."""
+    engine = tiny_engine()
+    order, runs = [], {}
+    generate = engine.generate
+
+    def recorded(**kw):
+        r = generate(**kw)
+        if "messages" in kw:  # not the untimed warm-up
+            order.append(kw["method"])
+            runs.setdefault((kw["messages"][0]["content"], kw["method"]), []).append(r.stats.decode_ms_per_token)
+        return r
+
+    engine.generate = recorded
+    rows = run_demo(engine, max_new_tokens=8, width=3, out=StringIO(), repeats=2)
+    assert order == ["ar", "cast", "ar", "cast"] * 3
+    for row in rows:
+        assert row["decode_ms_per_token"] == min(runs[(row["prompt"], row["method"])])
