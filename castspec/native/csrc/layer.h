@@ -160,31 +160,53 @@ static void quantize_row(const float *x, int I, int8_t *q, float *scale) {
 }
 #endif
 
-/* Y[M, O] = X[M, I] . W[O, I]^T + b in fp32 through gemm.c (W packed by native/pack.py): in a bf16 model the rows
- * X are rounded to bf16 as they enter the product (xs: scratch of GEMM_ROWS(M) * I bf16 elements, the rows past
- * M zeroed where AMX tiles read them) and its fp32 sums kept, the bias added in fp32. With int8 weights (m->i8)
- * each row is quantized to int8 as it enters instead (its scale after the rows' int8 in xs). */
-static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
-                   uint16_t *xs, float *Y) {
+/* Row r of a product's M input rows X as its kernel reads them, into the scratch xs (GEMM_ROWS(M) * I elements
+ * of the model's dtype): in a bf16 model rounded to bf16; with int8 weights (m->i8) quantized to int8, its scale
+ * after the rows' int8; in fp32 nothing (the kernel reads X). Rows are independent: any thread may take any. */
+static inline void enter_row(const StepModel *m, const float *X, int M, int I, void *xs, int r) {
     if (m->i8) {
 #ifdef CASTSPEC_AVX512
-        const Int8Weight *w = W;
-        int8_t *q = (int8_t *)xs;
-        float *scale = (float *)(q + GEMM_ROWS(M) * I);
-        FOR_ROWS(M, r, quantize_row(X + (int64_t)r * I, I, q + (int64_t)r * I, scale + r));
-        memset(q + (int64_t)M * I, 0, (GEMM_ROWS(M) - M) * I);
-        gemm_i8_f32(w->panels, w->scales, w->sums, q, scale, Y, M, O, I, I, O);
+        int8_t *q = xs;
+        quantize_row(X + (int64_t)r * I, I, q + (int64_t)r * I, (float *)(q + GEMM_ROWS(M) * I) + r);
 #else
         abort(); /* int8 weights only in the avx512 build (native/forward.py) */
 #endif
     } else if (m->bf16) {
-        FOR_ROWS(M, r, to_model(X + (int64_t)r * I, xs + (int64_t)r * I, I));
-        if (gemm_amx_on()) memset(xs + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
-        gemm_bf16_f32(W, xs, Y, M, O, I, I, O);
+        to_model(X + (int64_t)r * I, (uint16_t *)xs + (int64_t)r * I, I);
+    }
+}
+
+/* Y[M, O] = X[M, I] . W[O, I]^T + b in fp32 through gemm.c (W packed by native/pack.py), its M rows already in xs
+ * (enter_row): the rows past M zeroed where AMX tiles read them, the product's fp32 sums kept, the bias added in
+ * fp32. */
+static void product(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I, void *xs,
+                    float *Y) {
+    if (m->i8) {
+#ifdef CASTSPEC_AVX512
+        const Int8Weight *w = W;
+        int8_t *q = xs;
+        memset(q + (int64_t)M * I, 0, (GEMM_ROWS(M) - M) * I);
+        gemm_i8_f32(w->panels, w->scales, w->sums, q, (float *)(q + GEMM_ROWS(M) * I), Y, M, O, I, I, O);
+#else
+        abort();
+#endif
+    } else if (m->bf16) {
+        uint16_t *x16 = xs;
+        if (gemm_amx_on()) memset(x16 + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
+        gemm_bf16_f32(W, x16, Y, M, O, I, I, O);
     } else {
         gemm_f32(W, X, Y, M, O, I, I, O);
     }
     if (b) FOR_ROWS(M, r, add_bias(m, b, Y + (int64_t)r * O, O));
+}
+
+/* product() of rows X: each row enters it as the weights' dtype wants (in a bf16 model rounded to bf16 as it
+ * enters, with int8 weights quantized to int8 with one scale a row). xs: scratch of GEMM_ROWS(M) * I elements of
+ * that dtype (and M scales for int8). */
+static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
+                   void *xs, float *Y) {
+    FOR_ROWS(M, r, enter_row(m, X, M, I, xs, r));
+    product(m, W, b, X, M, O, I, xs, Y);
 }
 
 /* RoPE on one head in place, in fp32: x * cos + roll(x, d/2) * signed sin. */
@@ -497,6 +519,9 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
     FOR_ROWS(M, r, add_to(x + (int64_t)r * m->hidden, att + (int64_t)r * m->hidden, m->hidden));
 }
 
+/* From how many rows the MLP's silu runs on every thread: the exponentials of a row of `inter` values take long
+ * enough that from 8 rows splitting them outweighs entering the OpenMP runtime (docs/performance.md). */
+#define SILU_PARALLEL_MIN 8
 /* One row's silu(gate) * up from its gate | up halves (gu: 2F values) into act (F). */
 static void silu_times(const float *gu, int F, float *act) {
     for (int i = 0; i < F; i += 16) {
@@ -515,8 +540,21 @@ static void mlp(const StepModel *m, const Layer *L, int M, float *x, float *n, f
     const int H = m->hidden, F = m->inter;
     FOR_ROWS(M, r, rms_norm(m, x + (int64_t)r * H, L->mlp_norm, H, n + (int64_t)r * H));
     linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, gu); /* per row: gate | up */
-    FOR_ROWS(M, r, silu_times(gu + (int64_t)r * 2 * F, F, act + (int64_t)r * F));
-    linear(m, L->down_w, L->down_b, act, M, H, F, xs, att);
+    /* silu, the heaviest of the per-row loops, on every thread from SILU_PARALLEL_MIN rows, each row entering the
+     * down product on the thread that made it (read on the other core, it cost back most of what was gained) */
+    if (M >= SILU_PARALLEL_MIN) {
+        _Pragma("omp parallel for schedule(static)")
+        for (int r = 0; r < M; ++r) {
+            silu_times(gu + (int64_t)r * 2 * F, F, act + (int64_t)r * F);
+            enter_row(m, act, M, F, xs, r);
+        }
+    } else {
+        for (int r = 0; r < M; ++r) {
+            silu_times(gu + (int64_t)r * 2 * F, F, act + (int64_t)r * F);
+            enter_row(m, act, M, F, xs, r);
+        }
+    }
+    product(m, L->down_w, L->down_b, act, M, H, F, xs, att);
     FOR_ROWS(M, r, add_to(x + (int64_t)r * H, att + (int64_t)r * H, H));
 }
 
