@@ -119,17 +119,18 @@ static void rms_norm(const StepModel *m, const float *x, const void *w, int n, f
  * a long forward (a prompt chunk), where they would otherwise run on one core while the others wait; each row's
  * arithmetic is the same either way. */
 #define ROWS_PARALLEL_MIN 64
-/* Runs the statements for r in [0, M). Below ROWS_PARALLEL_MIN rows it never enters the OpenMP runtime: even a
- * region whose if-clause is false costs microseconds, and a decode step would pay it hundreds of times. */
-#define FOR_ROWS(M, r, ...)                                      \
+/* Runs the statements for r in [0, M), on every thread from MIN rows. Below it never enters the OpenMP runtime:
+ * even a region whose if-clause is false costs microseconds, and a decode step would pay it hundreds of times. */
+#define FOR_ROWS_FROM(MIN, M, r, ...)                            \
     do {                                                         \
-        if ((M) >= ROWS_PARALLEL_MIN) {                          \
+        if ((M) >= (MIN)) {                                      \
             _Pragma("omp parallel for schedule(static)")         \
             for (int r = 0; r < (M); ++r) { __VA_ARGS__; }       \
         } else {                                                 \
             for (int r = 0; r < (M); ++r) { __VA_ARGS__; }       \
         }                                                        \
     } while (0)
+#define FOR_ROWS(M, r, ...) FOR_ROWS_FROM(ROWS_PARALLEL_MIN, M, r, __VA_ARGS__)
 
 /* y[o] += b[o] over one row of O outputs (b in the model's dtype, widened). */
 static void add_bias(const StepModel *m, const void *b, float *y, int O) {
@@ -188,7 +189,7 @@ static void product(const StepModel *m, const void *W, const void *b, const floa
         memset(q + (int64_t)M * I, 0, (GEMM_ROWS(M) - M) * I);
         gemm_i8_f32(w->panels, w->scales, w->sums, q, (float *)(q + GEMM_ROWS(M) * I), Y, M, O, I, I, O);
 #else
-        abort();
+        abort(); /* as in enter_row */
 #endif
     } else if (m->bf16) {
         uint16_t *x16 = xs;
@@ -542,18 +543,10 @@ static void mlp(const StepModel *m, const Layer *L, int M, float *x, float *n, f
     linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, gu); /* per row: gate | up */
     /* silu, the heaviest of the per-row loops, on every thread from SILU_PARALLEL_MIN rows, each row entering the
      * down product on the thread that made it (read on the other core, it cost back most of what was gained) */
-    if (M >= SILU_PARALLEL_MIN) {
-        _Pragma("omp parallel for schedule(static)")
-        for (int r = 0; r < M; ++r) {
-            silu_times(gu + (int64_t)r * 2 * F, F, act + (int64_t)r * F);
-            enter_row(m, act, M, F, xs, r);
-        }
-    } else {
-        for (int r = 0; r < M; ++r) {
-            silu_times(gu + (int64_t)r * 2 * F, F, act + (int64_t)r * F);
-            enter_row(m, act, M, F, xs, r);
-        }
-    }
+    FOR_ROWS_FROM(SILU_PARALLEL_MIN, M, r, {
+        silu_times(gu + (int64_t)r * 2 * F, F, act + (int64_t)r * F);
+        enter_row(m, act, M, F, xs, r);
+    });
     product(m, L->down_w, L->down_b, act, M, H, F, xs, att);
     FOR_ROWS(M, r, add_to(x + (int64_t)r * H, att + (int64_t)r * H, H));
 }
