@@ -26,4 +26,16 @@ AMX static inline void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
+/* The shape of a product of R <= 16 rows (one row group): its sums (tiles 0-3) and inputs (tile 4) R rows, the
+ * weights (tiles 5-7) 16 rows. The tile instructions then read and write those R rows alone: no zeroed rows to
+ * pad the inputs to 16, and the sums stored straight into the outputs. Each sum is the same either way (a
+ * tile's rows are independent). */
+AMX static inline void amx_configure_rows(int R) {
+    TileConfig c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) { c.rows[t] = t < 5 ? (uint8_t)R : 16; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+}
+
 #endif

@@ -337,10 +337,10 @@ VNNI static void gemm_i8_vnni(const int8_t *P, const float *wscale, const int32_
 #ifdef CASTSPEC_AVX512
 /* AMX (Intel's tile unit), where the CPU has it: one TDPBF16PS multiplies 16 rows x 32 inputs by a 32 x 16 block
  * of weights, which is exactly 16 consecutive k-pairs of a packed panel (1 KiB, rows of 64 bytes). Rows go in
- * groups of 16; a group with fewer rows is padded with zero rows, so every product runs the same instructions
- * on the same 16-row tiles whatever M is, and a row's sums never depend on the others. Tiles 0-3 hold sums
- * (amx_groups1/2 say whose), 4-7 inputs and weights. The caller pads X with zero rows to whole groups (layer.h's
- * linear). */
+ * groups of 16: a product of fewer rows runs on tiles of its rows alone (amx_configure_rows), and in one of more
+ * rows a last group with fewer is padded with zero rows; either way a row's sums are the same instructions' and
+ * never depend on the others. Tiles 0-3 hold sums (amx_groups1/2 say whose), 4-7 inputs and weights. Beyond 16
+ * rows the caller pads X with zero rows to whole groups (layer.h's product). */
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -365,15 +365,15 @@ int gemm_amx_on(void) { return amx_on; }
 #define AMX_AHEAD 2048 /* bytes: two steps of a panel */
 #endif
 
-/* C tile `t`, the sums of group `g` (rows 16 * g on) for panel `pn`: straight into Y for 16 rows of 16 valid
- * columns, else through a buffer. With `q` (int8 products), the tile holds int32 sums, which leave through the
+/* C tile `t`, the sums of group `g` (rows 16 * g on) for panel `pn`: straight into Y for a whole tile's rows (16,
+ * or all of a product's fewer rows) of 16 valid columns, else through a buffer. With `q` (int8 products), the tile holds int32 sums, which leave through the
  * buffer as fp32, each times its row's scale and then its column's. */
 #define AMX_STORE(t, g, pn)                                                                             \
     do {                                                                                                \
         const int m0 = 16 * (g), R = M - m0 < 16 ? M - m0 : 16;                                          \
         float *y = Y + (int64_t)m0 * ldy + (int64_t)(pn) * 16;                                          \
         const int64_t valid = (int64_t)O - (int64_t)(pn) * 16;                                          \
-        if (!q && R == 16 && valid >= 16) {                                                             \
+        if (!q && R == tile_rows && valid >= 16) {                                                      \
             _tile_stored(t, y, ldy * 4);                                                                \
         } else {                                                                                        \
             _tile_stored(t, buf, 64);                                                                   \
@@ -433,12 +433,15 @@ static inline __attribute__((always_inline)) AMX void amx_groups(const char *w, 
     }
 }
 
-/* P: packed panels, X: inputs (lda bytes a row, whole groups of 16 rows), both bf16, or both int8 with q. */
+/* P: packed panels, X: inputs (lda bytes a row; beyond 16 rows in whole groups of 16), both bf16, or both int8
+ * with q. */
 AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, int M, int O, int I, int ldy,
                          const Scales *q) {
     const int esz = q ? 1 : 2, steps = I * esz / 64;
     const int64_t pstride = (int64_t)16 * I * esz; /* bytes per panel */
     const int groups = (M + 15) / 16, panels = (O + 15) / 16;
+    if (M <= 0) return; /* no rows (a prompt chunk whose logits nobody reads): a tile of no rows cannot be set */
+    const int tile_rows = M < 16 ? M : 16; /* one row group of fewer than 16 rows: tiles of its rows alone */
     /* units of work (share.h): a step of one group (4 panels) or two of a pair; with more than one pair, 8
      * panels, which every pair multiplies while they are in cache */
     const int unit = groups > 2 ? 8 : 4, nt = omp_get_max_threads();
@@ -446,7 +449,8 @@ AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, in
     shares_init(shares, nt, (panels + unit - 1) / unit);
     _Pragma("omp parallel num_threads(nt)") {
         float buf[16 * 16];
-        amx_configure();
+        if (tile_rows < 16) amx_configure_rows(tile_rows);
+        else amx_configure();
         for (int u, e; (u = shares_take(shares, nt, omp_get_thread_num(), &e)) >= 0;)
         for (int blk = u * unit; blk < e * unit && blk < panels; blk += unit) {
             const int bend = panels - blk < unit ? panels : blk + unit;
@@ -481,8 +485,8 @@ AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, in
 }
 
 /* Int8 products (a drafter's, where the CPU has AMX-INT8 or AVX-512 VNNI; native/forward.py): Y[M, O] =
- * (X . W^T) * xscale[row] * wscale[column], X [M, I] int8 (I a multiple of 64) followed by zero rows up to a
- * multiple of 16, W packed [O/16][I/4][16][4] (the quads of inputs TDPBSSD and VPDPBUSD multiply, native/pack.py)
+ * (X . W^T) * xscale[row] * wscale[column], X [M, I] int8 (I a multiple of 64; beyond 16 rows followed by zero
+ * rows up to a multiple of 16), W packed [O/16][I/4][16][4] (the quads of inputs TDPBSSD and VPDPBUSD multiply, native/pack.py)
  * with one fp32 scale and one weight sum (wsum) per column. The sums are integers, exact in any order and on
  * either unit, so a row's result depends only on that row, and is the same on AMX and on AVX-512 VNNI. */
 void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X, const float *xscale,
@@ -504,8 +508,8 @@ void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, cons
 }
 #endif
 
-/* X: M rows of bf16 (stride ldx, even) entering the product, followed by zero rows up to a multiple of 16 (the
- * AMX path reads whole groups); Y: their fp32 sums. */
+/* X: M rows of bf16 (stride ldx, even) entering the product, beyond 16 rows followed by zero rows up to a
+ * multiple of 16 (the AMX path reads whole groups there); Y: their fp32 sums. */
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
 #ifdef CASTSPEC_AVX512
     if (amx_on && I % 32 == 0) {

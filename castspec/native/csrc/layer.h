@@ -178,22 +178,22 @@ static inline void enter_row(const StepModel *m, const float *X, int M, int I, v
 }
 
 /* Y[M, O] = X[M, I] . W[O, I]^T + b in fp32 through gemm.c (W packed by native/pack.py), its M rows already in xs
- * (enter_row): the rows past M zeroed where AMX tiles read them, the product's fp32 sums kept, the bias added in
- * fp32. */
+ * (enter_row): beyond 16 rows the rows past M zeroed up to a whole group of 16 where AMX tiles read them (up to
+ * 16 rows the tiles take the rows alone), the product's fp32 sums kept, the bias added in fp32. */
 static void product(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I, void *xs,
                     float *Y) {
     if (m->i8) {
 #ifdef CASTSPEC_AVX512
         const Int8Weight *w = W;
         int8_t *q = xs;
-        memset(q + (int64_t)M * I, 0, (GEMM_ROWS(M) - M) * I);
+        if (M > 16) memset(q + (int64_t)M * I, 0, (GEMM_ROWS(M) - M) * I);
         gemm_i8_f32(w->panels, w->scales, w->sums, q, (float *)(q + GEMM_ROWS(M) * I), Y, M, O, I, I, O);
 #else
         abort(); /* as in enter_row */
 #endif
     } else if (m->bf16) {
         uint16_t *x16 = xs;
-        if (gemm_amx_on()) memset(x16 + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
+        if (gemm_amx_on() && M > 16) memset(x16 + (int64_t)M * I, 0, sizeof(uint16_t) * (GEMM_ROWS(M) - M) * I);
         gemm_bf16_f32(W, x16, Y, M, O, I, I, O);
     } else {
         gemm_f32(W, X, Y, M, O, I, I, O);
