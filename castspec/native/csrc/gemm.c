@@ -366,8 +366,9 @@ int gemm_amx_on(void) { return amx_on; }
 #endif
 
 /* C tile `t`, the sums of group `g` (rows 16 * g on) for panel `pn`: straight into Y for a whole tile's rows (16,
- * or all of a product's fewer rows) of 16 valid columns, else through a buffer. With `q` (int8 products), the tile holds int32 sums, which leave through the
- * buffer as fp32, each times its row's scale and then its column's. */
+ * or all of a product's fewer rows) of 16 valid columns, else through a buffer. With `q` (int8 products), the
+ * tile holds int32 sums, which leave through the buffer as fp32, each times its row's scale and then its
+ * column's. */
 #define AMX_STORE(t, g, pn)                                                                             \
     do {                                                                                                \
         const int m0 = 16 * (g), R = M - m0 < 16 ? M - m0 : 16;                                          \
@@ -486,9 +487,10 @@ AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, in
 
 /* Int8 products (a drafter's, where the CPU has AMX-INT8 or AVX-512 VNNI; native/forward.py): Y[M, O] =
  * (X . W^T) * xscale[row] * wscale[column], X [M, I] int8 (I a multiple of 64; beyond 16 rows followed by zero
- * rows up to a multiple of 16), W packed [O/16][I/4][16][4] (the quads of inputs TDPBSSD and VPDPBUSD multiply, native/pack.py)
- * with one fp32 scale and one weight sum (wsum) per column. The sums are integers, exact in any order and on
- * either unit, so a row's result depends only on that row, and is the same on AMX and on AVX-512 VNNI. */
+ * rows up to a multiple of 16), W packed [O/16][I/4][16][4] (the quads of inputs TDPBSSD and VPDPBUSD multiply,
+ * native/pack.py) with one fp32 scale and one weight sum (wsum) per column. The sums are integers, exact in any
+ * order and on either unit, so a row's result depends only on that row, and is the same on AMX and on AVX-512
+ * VNNI. */
 void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X, const float *xscale,
                  float *Y, int M, int O, int I, int ldx, int ldy) {
     if (amx_on) {
