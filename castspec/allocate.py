@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import METHODS, DecodeConfig
-from .cost import DRAFT_CONTEXT_ROWS, Calibration, CostProfile, RoundWidth
+from .cost import BATCH_DRAFT_DEPTH, DRAFT_CONTEXT_ROWS, Calibration, CostProfile, RoundWidth
 from .tree import Tree, build_forest, build_tree, universe_size
 
 POLICIES = ("chain", "fixed", "uniform", "shared", "cost")
@@ -28,6 +28,13 @@ class Policy:
     def max_nodes(self, depth: int) -> int:
         """The most nodes one request's tree can get (sizes its KV cache)."""
         raise NotImplementedError
+
+    def draft_depth(self, batch: int, depth: int) -> int:
+        """How many of the block's `depth` positions a drafted round of `batch` > 1 requests reads: its trees are
+        no deeper, and the drafter pass finishes (last layer, head) only those rows of each block, which under load
+        is a pass's larger part. (One request's rounds read the whole block, whose pass rides on the weight read:
+        its marginals are then whole for whoever observes them.)"""
+        return depth
 
     def allocate(self, logprobs: list[torch.Tensor], prefixes: list[int],
                  supports: list[torch.Tensor | None] | None = None) -> list[Tree]:
@@ -78,6 +85,9 @@ class FixedWidth(Policy):
     def max_nodes(self, depth: int) -> int:
         return min(self.width, universe_size(depth, self.top_k_per_position))
 
+    def draft_depth(self, batch: int, depth: int) -> int:
+        return max(min(depth, self.width), 1)  # a tree of N nodes is at most N deep
+
     def allocate(self, logprobs, prefixes, supports=None):
         return [build_tree(lp, self.width, self.top_k_per_position, support=s)
                 for lp, s in zip(logprobs, _each(supports, logprobs))]
@@ -93,6 +103,9 @@ class UniformSplit(Policy):
 
     def max_nodes(self, depth: int) -> int:
         return min(self.budget, universe_size(depth, self.top_k_per_position))
+
+    def draft_depth(self, batch: int, depth: int) -> int:
+        return max(min(depth, -(-self.budget // max(batch, 1))), 1)  # no share is deeper than it is large
 
     def allocate(self, logprobs, prefixes, supports=None):
         share, extra = divmod(self.budget, max(len(logprobs), 1))
@@ -110,6 +123,9 @@ class SharedBudget(Policy):
 
     def max_nodes(self, depth: int) -> int:
         return min(self.budget, universe_size(depth, self.top_k_per_position))
+
+    def draft_depth(self, batch: int, depth: int) -> int:
+        return max(min(depth, self.budget), 1)
 
     def allocate(self, logprobs, prefixes, supports=None):
         return build_forest(logprobs, self.budget, self.top_k_per_position, supports=supports)
@@ -216,6 +232,7 @@ class CostAware(Policy):
         self.plain_rates: dict[int, float] = {}
         self.plain_seen: dict[int, int] = {}  # plain rounds measured per batch bucket
         self.gains: dict[int, float] = {}
+        self.reached: dict[int, int] = {}  # per batch bucket: the deepest tree of its last drafted round
         self._pass_prices: dict[int, tuple[float | None, float]] = {}  # batch -> the profile's pass, context row
 
     def _plain_rate(self) -> float:
@@ -224,6 +241,11 @@ class CostAware(Policy):
 
     def max_nodes(self, depth: int) -> int:
         return min(self.rule.max_width, universe_size(depth, self.top_k_per_position))
+
+    def draft_depth(self, batch: int, depth: int) -> int:
+        """One position deeper than the trees of the last drafted round of about this batch reached
+        (BATCH_DRAFT_DEPTH before one has run): a batch whose trees grow deeper gets one more position a round."""
+        return max(min(depth, self.reached.get(batch_bucket(batch), BATCH_DRAFT_DEPTH - 1) + 1), 1)
 
     def draft_could_pay(self, batch: int, context_rows: int = 0) -> bool:
         """Whether a drafted round of `batch` requests is predicted to commit more per ms than a plain one: the
@@ -318,7 +340,10 @@ class CostAware(Policy):
                              supports, stop)
         counts = self.rule.allocate([t.scores for t in trees], [t.depths for t in trees], prefixes, self.plain_rate)
         self.nodes = sum(counts)
-        return [t.head(c) for t, c in zip(trees, counts)]
+        heads = [t.head(c) for t, c in zip(trees, counts)]
+        if self.batch > 1:
+            self.reached[batch_bucket(self.batch)] = max((max(t.depths, default=0) for t in heads), default=0)
+        return heads
 
     def observe(self, tree: Tree, path: list[int]) -> None:
         self.rule.observe(tree, path)

@@ -50,6 +50,10 @@ def interp_rows(x: float, xp: list, rows: np.ndarray) -> np.ndarray:
 
 # context rows per request in the probed drafter passes (`draft_ms`, batched `draft_ms`): a typical round's commit
 DRAFT_CONTEXT_ROWS = 3
+# block positions a batched drafter pass finishes (last layer, head) in the probe, and in the cost policy's rounds
+# under load until their trees reach deeper (CostAware.draft_depth): a round of many requests pays for every
+# verified row, so its trees are shallow, and a pass of 16 blocks is compute
+BATCH_DRAFT_DEPTH = 2
 
 
 @dataclass
@@ -113,7 +117,8 @@ class CostProfile:
 
     def batch_draft_at(self, batch: int, prefix: float, block_rows: int | None = None) -> float | None:
         """One drafter pass for `batch` requests: the single-request pass at B = 1, else interpolated over the
-        probed batch sizes (past the largest, the last slope goes on). Without batched measurements, given the
+        probed batch sizes (past the largest, the last slope goes on), which finish BATCH_DRAFT_DEPTH rows a block
+        as the cost policy's batched rounds do. Without batched measurements, given the
         rows of one request's block, the single pass scaled as this device's verify cost grows from one block's
         rows to B blocks' (both are mostly the same kind of products: flat where a forward is bound by the
         weight read, linear where it is compute-bound); else None."""

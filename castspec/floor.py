@@ -108,9 +108,10 @@ def _kv_bytes(cfg, dtype, slots: int) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * slots * item
 
 
-def _attention_flops(cfg, rows: int, keys: int) -> int:
-    """Scores and weighted values (2 products of head_dim per row and key) in every head and layer."""
-    return 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * rows * keys
+def _attention_flops(cfg, rows: int, keys: int, layers: int | None = None) -> int:
+    """Scores and weighted values (2 products of head_dim per row and key) in every head of `layers` layers (all)."""
+    layers = cfg.num_layers if layers is None else layers
+    return 2 * 2 * layers * cfg.num_heads * cfg.head_dim * rows * keys
 
 
 def verify_cost(target, rows: int, prefix: int, batch: int = 1) -> Cost:
@@ -140,20 +141,25 @@ def prefill_cost(target, rows: int) -> Cost:
     return Cost(nbytes, flops)
 
 
-def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0) -> Cost:
+def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0, depth: int | None = None) -> Cost:
     """One drafter pass of `batch` requests, as `propose_batch` runs it: each request's `ctx_rows` new context rows
     fused (fc) and projected to keys and values in every layer, its block of block_size rows through every layer
-    attending to its `prefix` cached context positions and the block, and the head over the block's drafted rows
-    (the draft vocabulary's rows of the target's lm_head when the drafter has one, else the whole lm_head).
-    Reads: every drafter matrix, that head and the cached context once. Where the drafter's native pass
-    multiplies by int8 weights (native/forward.py), its matrices and head are read as one byte a weight, and its
-    products count half their FLOPs: an AMX tile product does twice the int8 multiply-adds of a bf16 one in the
-    same time, so the bf16 GEMM rate the floor divides by is half the int8 one."""
+    but the last attending to its `prefix` cached context positions and the block, and in the last layer every
+    block row's queries, keys and values but attention, output projection and MLP only for the `depth` rows the
+    trees read (all L drafted positions when None), which then go through the head (the draft vocabulary's rows
+    of the target's lm_head when the drafter has one, else the whole lm_head). Reads: every drafter matrix, that
+    head and the cached context once. Where the drafter's native pass multiplies by int8 weights
+    (native/forward.py), its matrices and head are read as one byte a weight, and its products count half their
+    FLOPs: an AMX tile product does twice the int8 multiply-adds of a bf16 one in the same time, so the bf16 GEMM
+    rate the floor divides by is half the int8 one."""
     c = drafter.cfg
     code = drafter.backend.built
     int8 = code is not None and code.int8
     block = c.num_draft_positions + 1  # [root, MASK x L]
+    finished = c.num_draft_positions if depth is None else depth
     layer_mats = _matrices(drafter.layers)
+    last = drafter.layers[-1].self_attn
+    last_qkv = sum(w.numel() for w in (last.q_proj.weight, last.k_proj.weight, last.v_proj.weight))
     kv_params = sum(w.numel() for layer in drafter.layers
                     for w in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight))
     head = target.head_weight
@@ -164,7 +170,11 @@ def draft_cost(drafter, target, prefix: int, batch: int = 1, ctx_rows: int = 0) 
     weight_bytes = (sum(w.numel() for w in matrices) + head_params if int8
                     else sum(w.numel() * w.element_size() for w in matrices) + head_params * head.element_size())
     nbytes = weight_bytes + batch * _kv_bytes(c, drafter.dtype, prefix)
-    products = (2 * fc.numel() * ctx_rows + 2 * kv_params * ctx_rows + 2 * sum(w.numel() for w in layer_mats) * block
-                + 2 * head_params * c.num_draft_positions)
-    per_request = (products / 2 if int8 else products) + _attention_flops(c, block, prefix + block)
+    layers = sum(w.numel() for w in layer_mats)
+    last_rest = sum(w.numel() for w in _matrices(drafter.layers[-1])) - last_qkv  # o, gate, up, down
+    products = (2 * fc.numel() * ctx_rows + 2 * kv_params * ctx_rows + 2 * (layers - last_rest) * block
+                + 2 * last_rest * finished + 2 * head_params * finished)
+    keys = prefix + block
+    per_request = ((products / 2 if int8 else products) + _attention_flops(c, block, keys, c.num_layers - 1)
+                   + _attention_flops(c, finished, keys, 1))
     return Cost(nbytes, batch * per_request)

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from .config import DecodeConfig
-from .cost import DRAFT_CONTEXT_ROWS, CostProfile, profile_key
+from .cost import BATCH_DRAFT_DEPTH, DRAFT_CONTEXT_ROWS, CostProfile, profile_key
 from .floor import Floors, draft_cost, prefill_cost, verify_cost
 from .native import build as native
 from .native import forward as native_step
@@ -246,15 +246,17 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
             calls = [_verify_call(target, seqs, build_tree(logprobs, n - 1, top_k)) for n in per_request]
             times = _medians_ms(calls, reps, warmup, device)
             bar.update(len(per_request))
-            draft, context = (_draft_timings(target, drafter, seqs, L, prefix, reps, warmup, calls[0]) if drafter
-                              else (0.0, 0.0))
+            # the batched pass as the cost policy's rounds under load start out: finishing BATCH_DRAFT_DEPTH rows
+            depth = min(L, BATCH_DRAFT_DEPTH)
+            draft, context = (_draft_timings(target, drafter, seqs, depth, prefix, reps, warmup, calls[0])
+                              if drafter else (0.0, 0.0))
             bar.update(1)
             verify_floor = [verify_cost(target, n, prefix, B).floor_ms(floors) for n in per_request]
-            draft_floor = (draft_cost(drafter, target, prefix, B, DRAFT_CONTEXT_ROWS).floor_ms(floors) if drafter
-                           else None)
+            draft_floor = (draft_cost(drafter, target, prefix, B, DRAFT_CONTEXT_ROWS, depth).floor_ms(floors)
+                           if drafter else None)
             profile.batch[str(B)] = {
-                "packed": totals, "verify_ms": times, "draft_ms": draft, "draft_context_ms": context,
-                "prefix": prefix,
+                "packed": totals, "verify_ms": times, "draft_ms": draft, "draft_depth": depth,
+                "draft_context_ms": context, "prefix": prefix,
                 "read_gbps": floors.read_gbps, "gemm_gflops": floors.gemm_gflops,
                 "verify_floor_ms": verify_floor, "verify_ratio": _ratios(times, verify_floor),
                 "draft_floor_ms": draft_floor, "draft_ratio": _ratios([draft], [draft_floor])[0]}

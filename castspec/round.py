@@ -149,10 +149,11 @@ def draft(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence],
     if not drafting or not policy.should_draft(len(drafting), sum(seqs[i].draft.pending_rows for i in drafting),
                                                prefilling=any(s.reading_prompt for s in seqs)):
         return marginals
-    L = drafter.cfg.num_draft_positions
     chosen = [seqs[i] for i in drafting]
+    L = drafter.cfg.num_draft_positions
+    depth = L if len(chosen) == 1 else policy.draft_depth(len(chosen), L)
     drafts = propose_batch(target, drafter, [s.draft for s in chosen], [s.root for s in chosen],
-                           [min(L, s.remaining - 1) for s in chosen])
+                           [min(depth, s.remaining - 1) for s in chosen])
     synchronize(target.device)
     for i, m in zip(drafting, drafts):
         marginals[i] = m

@@ -49,19 +49,23 @@ def test_draft_cost_is_the_hand_count_with_and_without_a_draft_vocabulary():
     H, V, block, L = config.hidden_size, config.vocab_size, 4, 3
     fc = 2 * H * H  # two tapped layers fused into one hidden state
     kv_params = 2 * H * 2 * 16
-    layer = H * 4 * 16 + kv_params + 4 * 16 * H + 3 * H * 96
+    qkv = H * 4 * 16 + kv_params
+    rest = 4 * 16 * H + 3 * H * 96  # o, gate, up, down
+    layer = qkv + rest
     prefix, ctx, batch = 20, 3, 2
     kv_bytes = 2 * 2 * 2 * 16 * prefix * 4
 
-    def expected(head_rows: int) -> Cost:
+    def expected(head_rows: int, depth: int = L) -> Cost:
+        # the first layer for every block row; the last one's q|k|v too, the rest and the head for `depth` rows
         head = head_rows * H
-        flops = (2 * fc * ctx + 2 * 2 * kv_params * ctx + 2 * 2 * layer * block
-                 + 2 * 2 * 2 * 4 * 16 * block * (prefix + block) + 2 * head * L)
+        flops = (2 * fc * ctx + 2 * 2 * kv_params * ctx + 2 * layer * block + 2 * qkv * block + 2 * rest * depth
+                 + 2 * 2 * 4 * 16 * (block + depth) * (prefix + block) + 2 * head * depth)
         return Cost((fc + 2 * layer + head) * 4 + batch * kv_bytes, batch * flops)
 
     assert draft_cost(drafter, target, prefix, batch, ctx) == expected(V)
     drafter.set_draft_vocab(torch.arange(10))
     assert draft_cost(drafter, target, prefix, batch, ctx) == expected(10)
+    assert draft_cost(drafter, target, prefix, batch, ctx, depth=1) == expected(10, 1)
 
 
 def test_floor_is_the_larger_term():

@@ -388,18 +388,18 @@ def test_chunked_native_calls_equal_one_call(monkeypatch):
 
 
 def _drafting_rounds(target, drafters, dtype, g):
-    """Two requests drafted in one pass (serving), with different context lengths and depths, for three rounds,
-    on each of `drafters` alike: every round's marginals per drafter (in the order given), and the drafters' draft
-    states."""
+    """Two requests drafted in one pass (serving), with different context lengths and depths (a whole block, and
+    the few first positions a pass finishes alone), for three rounds, on each of `drafters` alike: every round's
+    marginals per drafter (in the order given), and the drafters' draft states."""
     width = len(drafters[0].cfg.target_layer_ids) * target.cfg.hidden_size
     states = {m: (DraftState(m, 64), DraftState(m, 64)) for m in drafters}
     rounds = []
-    for new_rows in ((6, 2), (1, 4), (3, 1)):
+    for new_rows, depths in (((6, 2), (5, 4)), ((1, 4), (1, 5)), ((3, 1), (2, 1))):
         feats = [torch.randn(1, n, width, generator=g).to(dtype) for n in new_rows]
         for pair in states.values():
             for st, f in zip(pair, feats):
                 st.add_context(f)
-        rounds.append([propose_batch(target, m, list(pair), [5, 9], [5, 4]) for m, pair in states.items()])
+        rounds.append([propose_batch(target, m, list(pair), [5, 9], list(depths)) for m, pair in states.items()])
     return rounds, states
 
 

@@ -10,7 +10,7 @@ from castspec.allocate import (PLAIN_FIRST, Chain, CostAware, FixedWidth, Policy
                                make_policy)
 from castspec.round import run_round, warm_up
 from castspec.config import DecodeConfig
-from castspec.cost import CostProfile, RoundWidth
+from castspec.cost import BATCH_DRAFT_DEPTH, CostProfile, RoundWidth
 from castspec.decode import decode
 import castspec.serving.scheduler as scheduler_module
 from castspec.serving.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
@@ -127,8 +127,9 @@ def test_round_outputs_follow_the_input_order(models):
     for i in (0, 2):
         o = second.sequences[i]
         assert first.sequences[i].emitted + o.emitted == ar(target, ps[i], 8)[:1 + len(o.emitted)]
-        # drafted min(L, remaining - 1) = min(7, 6) positions; the policy's 5-node tree was verified
-        assert o.draft_logprobs.shape[0] == 6 and len(o.tree) == 5 and o.accepted == len(o.path)
+        # drafted min(L, remaining - 1, the policy's depth under load) = min(7, 6, 5) positions (a tree of 5
+        # nodes is at most 5 deep); the policy's 5-node tree was verified
+        assert o.draft_logprobs.shape[0] == 5 and len(o.tree) == 5 and o.accepted == len(o.path)
     assert second.sequences[1].emitted == [] and second.sequences[1].error is None
 
 
@@ -193,6 +194,23 @@ def test_shared_budget_allocation_is_the_brute_force_optimum():
             assert got == pytest.approx(brute_force_best(lps, budget, 2), rel=1e-6)
             uniform = UniformSplit(budget, top_k_per_position=2).allocate(lps, [0, 0, 0])
             assert got >= sum(sum(torch.tensor(t.scores).exp().tolist()) for t in uniform) - 1e-9
+
+
+def test_batched_rounds_draft_as_deep_as_their_trees_reach():
+    """Under load a drafted round reads BATCH_DRAFT_DEPTH positions of each block at first, then one more than
+    the deepest tree of the last drafted round of about its batch (so the pass finishes no rows that no tree
+    reads); fixed and shared budgets never read deeper than a tree of their size can be."""
+    flat = CostAware(RoundWidth(flat_profile(0.0), 63, init_throughput=0.1))
+    assert flat.draft_depth(16, 7) == BATCH_DRAFT_DEPTH
+    sure = torch.full((2, 24), -30.0)
+    sure[:, 0] = 0.0  # one certain token at each of two positions: trees two deep
+    flat.allocate([sure, sure], [10, 10])
+    assert flat.draft_depth(2, 7) == 3 and flat.draft_depth(16, 7) == BATCH_DRAFT_DEPTH  # 16: another bucket
+    steep = CostAware(RoundWidth(flat_profile(10.0), 63, init_throughput=0.1))
+    steep.allocate([sure[:1]] * 12, [10] * 12)  # no node pays: empty trees
+    assert steep.draft_depth(12, 7) == 1
+    assert FixedWidth(3).draft_depth(8, 7) == 3 and SharedBudget(40).draft_depth(8, 7) == 7
+    assert UniformSplit(12).draft_depth(8, 7) == 2
 
 
 def test_cost_rule_budget_follows_the_batched_cost():

@@ -57,7 +57,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "gemm_amx_on": ([], _I),
     "gemm_i8_f32": ([_P] * 6 + [_I] * 5, None),
     "forward_rows": ([_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P], _I),
-    "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P], _I),
+    "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P], _I),
     "argmax_rows": ([_P, _I, _I, _P], None),
     "topk_rows": ([_P, _I, _I, _I, _P, _P, _P], _I),
     "keep_slots": ([_P, _P, _L, _L, _L, _P, _L, _I], None),

@@ -418,7 +418,7 @@ class NativeDraft:
         out = torch.empty(T, self._hidden, dtype=torch.float32)
         rc = self._lib.draft_block(ctypes.byref(self._model), len(segments), _draft_segments(segments), C,
                                    features.data_ptr(), ctx_pos.data_ptr(), T, block_emb.data_ptr(),
-                                   block_pos.data_ptr(), out.data_ptr())
+                                   block_pos.data_ptr(), None, T, out.data_ptr())
         if rc != 0:
             raise MemoryError("native drafter pass: out of memory")
         return out
@@ -445,7 +445,7 @@ class NativeDraft:
         embedding table `embed` [V, H], which must be in the drafter's dtype and contiguous), then its block rows
         `rows` through the draft vocabulary's head (`head` [S, H], the target's lm_head rows in the drafter's
         dtype) as log-probabilities [len(rows), S] fp32, in one native call: what the table's rows, `run` and
-        `logprobs` give one after the other, bit for bit."""
+        `logprobs` give one after the other, bit for bit (the pass finishes only the rows `rows`, ascending)."""
         block_pos, features, ctx_pos = _flat_positions_features(block_pos, features, ctx_pos)
         block_ids = block_ids.reshape(-1).contiguous()
         vocab = head.shape[0]

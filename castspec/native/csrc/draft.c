@@ -65,10 +65,15 @@ static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16,
  * each segment's block rows (block_emb [T, hidden], positions block_pos, also concatenated) see their cache up
  * to there and their whole block. out [T, hidden] receives the final-normed block rows. Inputs and output are
  * fp32 activations whatever the model's dtype (layer.h). A block's own keys/values go to the slots after its context as scratch (the
- * cache's length stays start + ctx_rows; the caller guarantees capacity for both). Returns 0, or -1 when out
+ * cache's length stays start + ctx_rows; the caller guarantees capacity for both). With `finish` (F ascending
+ * block rows), out [F, hidden] receives only those rows: the last layer still writes every block row's keys and
+ * values, which the others attend to, but runs attention, the MLP and the final norm for those rows alone (a
+ * batched pass whose trees read one or two positions of each block skips most of its last layer); each row's
+ * bits are those of the whole pass, since no step mixes rows. finish NULL: every row. Returns 0, or -1 when out
  * of memory. */
 int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const float *features,
-                const int64_t *ctx_pos, int T, const float *block_emb, const int64_t *block_pos, float *out) {
+                const int64_t *ctx_pos, int T, const float *block_emb, const int64_t *block_pos, const int64_t *finish,
+                int F, float *out) {
     const StepModel *m = &dm->base;
     const int H = m->hidden, d = m->head_dim, nh = m->heads, nkv = m->kv_heads, FI = dm->fc_in;
     const int nq = nh * d, nk = nkv * d, qkv = nq + 2 * nk;
@@ -126,11 +131,23 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
             write_kv(m, K, V, head_stride, blk_slot[t], row + nq, row + nq + nk);
             see[t] = (RowAttn){K, V, head_stride, S, NULL}; /* everything */
         });
+        int M = T;
+        if (finish && l == m->layers - 1) { /* the rows to finish moved to the front, in order (finish ascends) */
+            for (int r = 0; r < F; ++r) {
+                const int64_t t = finish[r];
+                if (t == r) continue;
+                memcpy(x + (int64_t)r * H, x + t * H, sizeof(float) * H);
+                memcpy(bproj + (int64_t)r * qkv, bproj + t * qkv, sizeof(float) * nq); /* its query heads */
+                see[r] = see[t];
+            }
+            M = F;
+        }
         /* n (the fused context's scratch before the layers) holds attention's and the MLP's outputs */
-        attention(m, L, T, bproj, qkv, see, S16, probs, heads_out, x, xs, n);
-        mlp(m, L, T, x, n, proj, act, xs, n);
+        attention(m, L, M, bproj, qkv, see, S16, probs, heads_out, x, xs, n);
+        mlp(m, L, M, x, n, proj, act, xs, n);
     }
-    for (int t = 0; t < T; ++t) rms_norm(m, x + t * H, m->final_norm, H, out + t * H);
+    const int rows_out = finish ? F : T;
+    FOR_ROWS(rows_out, t, rms_norm(m, x + (int64_t)t * H, m->final_norm, H, out + (int64_t)t * H));
     free(arena.base);
     return 0;
 }
@@ -156,7 +173,7 @@ static void log_softmax_row(float *x, int n) {
 }
 
 /* The drafter's log-probabilities over its draft vocabulary for the block rows that draft: rows rows[0..R) of
- * hidden [*, H] (final-normed, fp32) through the head's packed panels [S, H] (the target's lm_head rows of the
+ * hidden [*, H] (final-normed, fp32; rows NULL: its first R rows) through the head's packed panels [S, H] (the target's lm_head rows of the
  * draft vocabulary; bf16 when bf16 is set, else fp32; an Int8Weight when i8 is set), log-softmaxed; out [R, S]
  * fp32. One call for what the pass hands the tree: the head's product (gemm.c, each row's sums its own) and the
  * normalization. Returns 0, or -1 when out of memory. */
@@ -168,21 +185,23 @@ int draft_logprobs(int bf16, int i8, const void *head, int S, int H, const float
     Arena arena = {NULL, 0};
     float *x;
     void *xs;
-    if (ARENA_LAYOUT(arena, (x = take(&arena, sizeof(float) * R * H),
+    if (ARENA_LAYOUT(arena, (x = rows ? take(&arena, sizeof(float) * R * H) : NULL,
                              xs = take(&arena, (bf16 ? 2 : 4) * GEMM_ROWS(R) * H))))
         return -1;
-    for (int r = 0; r < R; ++r) memcpy(x + (int64_t)r * H, hidden + rows[r] * H, sizeof(float) * H);
-    linear(&m, head, NULL, x, R, S, H, xs, out);
+    if (rows)
+        for (int r = 0; r < R; ++r) memcpy(x + (int64_t)r * H, hidden + rows[r] * H, sizeof(float) * H);
+    linear(&m, head, NULL, rows ? x : hidden, R, S, H, xs, out);
     FOR_ROWS(R, r, log_softmax_row(out + (int64_t)r * S, S));
     free(arena.base);
     return 0;
 }
 
 /* A whole drafter pass in one call (NativeDraft.marginals): its block rows embedded (block_ids, from the target's
- * embedding table `embed` [*, hidden] in the drafter's dtype), draft_block, then draft_logprobs of its block rows
- * rows[0..R) through the draft vocabulary's head (packed as the drafter's layers are: panels [S, H] in its dtype,
- * or an Int8Weight). The same arithmetic as the three steps one after the other, without the host's work between
- * them, which is a large share of a pass this small. out [R, S]. Returns 0, or -1 when out of memory. */
+ * embedding table `embed` [*, hidden] in the drafter's dtype), draft_block finishing only its block rows rows[0..R)
+ * (ascending), then draft_logprobs of those rows through the draft vocabulary's head (packed as the drafter's
+ * layers are: panels [S, H] in its dtype, or an Int8Weight). The same bits as the three steps one after the other
+ * (every row finished), without the host's work between them, which is a large share of a pass this small, nor
+ * the last layer's work for rows no tree reads. out [R, S]. Returns 0, or -1 when out of memory. */
 int draft_pass(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const float *features,
                const int64_t *ctx_pos, int T, const int64_t *block_ids, const void *embed, const int64_t *block_pos,
                const void *head, int S, const int64_t *rows, int R, float *out) {
@@ -190,8 +209,8 @@ int draft_pass(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, 
     float *block = malloc(sizeof(float) * 2 * (size_t)T * H), *hidden = block + (size_t)T * H;
     if (!block) return -1;
     embed_rows(&dm->base, embed, block_ids, T, block);
-    int rc = draft_block(dm, nseg, segs, C, features, ctx_pos, T, block, block_pos, hidden);
-    if (rc == 0) rc = draft_logprobs(dm->base.bf16, dm->base.i8, head, S, H, hidden, rows, R, out);
+    int rc = draft_block(dm, nseg, segs, C, features, ctx_pos, T, block, block_pos, rows, R, hidden);
+    if (rc == 0) rc = draft_logprobs(dm->base.bf16, dm->base.i8, head, S, H, hidden, NULL, R, out);
     free(block);
     return rc;
 }
