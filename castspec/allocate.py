@@ -40,10 +40,12 @@ class Policy:
                  supports: list[torch.Tensor | None] | None = None) -> list[Tree]:
         raise NotImplementedError
 
-    def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False) -> bool:
+    def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False,
+                     horizon: int | None = None) -> bool:
         """Whether this round, of `batch` requests that could draft, drafts at all (a round without a draft is a
         plain autoregressive step); `context_rows`: the rows their drafter pass would also fuse (what they
-        committed since they last drafted, or their prompts); `prefilling`: the round also reads a prompt."""
+        committed since they last drafted, or their prompts); `prefilling`: the round also reads a prompt;
+        `horizon`: the most tokens those requests may still commit (None: no bound known)."""
         return True
 
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
@@ -188,11 +190,13 @@ class CostAware(Policy):
     change with the batch (a pass for 16 blocks is compute, a plain round of 16 rows a weight read): a batched
     round drafts only where the profile, at the acceptance per request seen so far, prices it above a plain
     round of the same batch (`draft_could_pay`) until drafted rounds of about that batch have been measured;
-    from then on their measured gain over plain rounds of the same batch decides (`gains`): the profile prices
-    neither the host work of many trees nor a pass that also fuses the context of the rounds that did not draft.
-    The prior does price that context (the rows every request's pass would fuse, at the profile's price per
-    context row for the batch), and counts only after PLAIN_FIRST plain rounds of the batch's bucket; no round
-    that also reads a prompt drafts (it gives the policy no update, and drafting there sets requests apart).
+    from then on their measured gain over plain rounds of the same batch decides (`gains`): the profile does not
+    price the host work of many trees. The first drafted round after plain ones (and a newcomer's first) also
+    fuses the context its requests gathered meanwhile, their prompts at first: a catch-up, paid once, which
+    drafting must repay before the requests end (`draft_could_pay`, from their remaining tokens) and which says
+    nothing of what drafting costs from then on, so that round enters no gain and the next one drafts to be
+    measured. The prior counts only after PLAIN_FIRST plain rounds of the batch's bucket; no round that also
+    reads a prompt drafts (it gives the policy no update, and drafting there sets requests apart).
     """
 
     name = "cost"
@@ -234,6 +238,8 @@ class CostAware(Policy):
         self.gains: dict[int, float] = {}
         self.reached: dict[int, int] = {}  # per batch bucket: the deepest tree of its last drafted round
         self._pass_prices: dict[int, tuple[float | None, float]] = {}  # batch -> the profile's pass, context row
+        self._context_rows = 0  # under load: the context rows of the round last decided on (should_draft)
+        self._measure_next = False  # under load: the last drafted round caught up (its gain not measured)
 
     def _plain_rate(self) -> float:
         """Measured once plain rounds have run; before that, the profile's price of a verify of B roots."""
@@ -247,39 +253,57 @@ class CostAware(Policy):
         (BATCH_DRAFT_DEPTH before one has run): a batch whose trees grow deeper gets one more position a round."""
         return max(min(depth, self.reached.get(batch_bucket(batch), BATCH_DRAFT_DEPTH - 1) + 1), 1)
 
-    def draft_could_pay(self, batch: int, context_rows: int = 0) -> bool:
-        """Whether a drafted round of `batch` requests is predicted to commit more per ms than a plain one: the
-        drafted round priced by the profile (its batched drafter pass and verify) at the acceptance drafted rounds
-        have shown per request (tokens and nodes), the plain round measured at this batch once one has run (priced
-        too before). Acceptance does not depend on the batch; the cost of drafting does (a pass for 16 requests'
-        blocks is mostly compute and can cost about a plain round). Before drafted rounds are measured, with
-        PRIOR_TOKENS per request from PRIOR_TOKENS - 1 nodes each. Without batched shapes in the profile, the pass
-        is priced from the single-request pass (CostProfile.batch_draft_at); True where nothing prices it. The pass
-        also fuses `context_rows` (beyond the probed pass's few per request): a batch's first drafted round reads
-        all their prompts, which can cost more than the round gains, and it sets requests apart for good (they
-        finish in different rounds, so the prompts of their successors are read in more rounds). Once drafted
-        rounds of about this batch have been measured, their gain over plain rounds decides instead."""
-        gain = self.gains.get(batch_bucket(batch))
-        if gain is not None:
-            return gain >= 1.0
-        prof = self.rule.profile
-        prefix = prof.prefix_lens[0]
-        if batch not in self._pass_prices:  # asked every round under load: the profile's prices looked up once
+    def _prices(self, batch: int) -> tuple[float | None, float]:
+        """The profile's batched drafter pass and its price per further context row at this batch (looked up once
+        per batch: under load they are asked every round); the pass None where nothing prices it."""
+        if batch not in self._pass_prices:
+            prof = self.rule.profile
+            prefix = prof.prefix_lens[0]
             draft = prof.batch_draft_at(batch, prefix, self.block_rows)
             self._pass_prices[batch] = draft, (0.0 if draft is None else
                                                prof.context_row_ms(prefix, batch, self.block_rows))
-        draft, row_ms = self._pass_prices[batch]
-        if draft is None:
-            return True
-        tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * batch) if self.request_tokens is None else \
-            (self.request_tokens, self.request_nodes * batch)
-        extra_rows = max(context_rows - DRAFT_CONTEXT_ROWS * batch, 0)  # beyond what the probed pass fuses
-        context = extra_rows * row_ms
-        drafted_ms = (draft + context + prof.batch_verify_at(batch, batch + nodes, prefix)
-                      + prof.batch_host_at(batch, nodes))
-        return batch * tokens / max(drafted_ms, 1e-6) >= self._batch_plain_rate(batch)
+        return self._pass_prices[batch]
 
-    def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False) -> bool:
+    def _steady_rows(self, batch: int) -> int:
+        """The context rows a drafted round's pass fuses when its requests drafted the round before: at most what
+        they committed then (a block's rows each). More is context gathered in rounds that did not draft (or a
+        newcomer's prompt), fused once: a catch-up."""
+        return (self.block_rows or int(PRIOR_TOKENS)) * batch
+
+    def draft_could_pay(self, batch: int, context_rows: int = 0, horizon: int | None = None) -> bool:
+        """Whether drafted rounds of `batch` requests are predicted to commit more per ms than plain ones, and the
+        catch-up of this round's pass is repaid. Once drafted rounds of about this batch have been measured, their
+        gain over plain rounds of the same batch decides (`gains`); before, the drafted round priced by the
+        profile (its batched drafter pass and verify) at the acceptance drafted rounds have shown per request
+        (tokens and nodes; PRIOR_TOKENS per request from PRIOR_TOKENS - 1 nodes each before any), against the
+        plain round measured at this batch (priced too before one has run). Acceptance does not depend on the
+        batch; the cost of drafting does (a pass for 16 requests' blocks is mostly compute). Without batched
+        shapes in the profile, the pass is priced from the single-request pass (CostProfile.batch_draft_at); True
+        where nothing prices it. The catch-up: the context rows beyond a drafted round's own (`_steady_rows`: a
+        batch's first drafted round reads all its prompts), priced per row by the profile, are paid once and must
+        cost no more than drafting saves over the `horizon` tokens the requests may still commit (a long prompt
+        before a short answer is not worth fusing)."""
+        draft, row_ms = self._prices(batch)
+        gain = self.gains.get(batch_bucket(batch))
+        if gain is None:
+            if draft is None:
+                return True
+            prof = self.rule.profile
+            prefix = prof.prefix_lens[0]
+            tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * batch) if self.request_tokens is None else \
+                (self.request_tokens, self.request_nodes * batch)
+            drafted_ms = (draft + prof.batch_verify_at(batch, batch + nodes, prefix)
+                          + prof.batch_host_at(batch, nodes))
+            gain = batch * tokens / max(drafted_ms, 1e-6) / self._batch_plain_rate(batch)
+        if gain < 1.0:
+            return False
+        catch_up = max(context_rows - self._steady_rows(batch), 0) * row_ms
+        if not catch_up or horizon is None:
+            return True
+        return catch_up <= horizon / self._batch_plain_rate(batch) * (1.0 - 1.0 / gain)  # ms saved over it
+
+    def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False,
+                     horizon: int | None = None) -> bool:
         if prefilling:
             # a round that also reads a prompt costs what the prompt costs, so it tells the policy nothing of
             # drafting (run_round gives it no update): drafting there would go on the prior for good, and it sets
@@ -288,15 +312,18 @@ class CostAware(Policy):
         if self.burst is not None and (batch == 1 or self.burst.ms > 0):
             return True  # a try that is due (one request), or one that has begun
         if batch > 1:
+            self._context_rows = context_rows
+            if self._measure_next:
+                return True  # the round after a catch-up: drafting's own price, measured (update)
             bucket = batch_bucket(batch)
             if self.plain_seen.get(bucket, 0) < PLAIN_FIRST:
                 # under load, as for one request: plain rounds of about this batch are measured first (they are
                 # what drafting must beat, and a drafted round sets requests apart, which spreads their
                 # newcomers' prompts over many rounds for good); a few, since one round is a noisy price
                 return False
-            # drafted rounds of about this batch measured against plain ones; before that the profile's price,
-            # the context the pass must fuse included
-            pays = self.draft_could_pay(batch, context_rows)
+            # drafted rounds of about this batch measured against plain ones (before that the profile's price),
+            # and the catch-up of the context gathered meanwhile repaid before the requests end
+            pays = self.draft_could_pay(batch, context_rows, horizon)
             if self.burst is not None:
                 # a try that is due waits until its round can pay at this batch, or for the longest gap under
                 # load (the acceptance it assumes may be stale)
@@ -372,9 +399,9 @@ class CostAware(Policy):
             self.skipped += 1
             self.plain_rate = _ema(self.plain_rate, rate, self.momentum)
             # a plain round commits one token per request: `committed` is its batch. A try falls due after
-            # explore_every plain rounds; under load, one that cannot pay at its batch (draft_could_pay, the
-            # context its pass fuses included) waits in should_draft for the longest gap under load (the
-            # acceptance it assumes may be stale); one request's tries go by the measured rates alone
+            # explore_every plain rounds; under load, one that cannot pay at its batch (draft_could_pay, its
+            # catch-up included) waits in should_draft for the longest gap under load (the acceptance it
+            # assumes may be stale); one request's tries go by the measured rates alone
             batch = committed
             if batch > 1:
                 self.plain_rates[batch] = _ema(self.plain_rates.get(batch), rate, self.momentum)
@@ -389,11 +416,12 @@ class CostAware(Policy):
         self.request_tokens = _ema(self.request_tokens, tokens, self.momentum)
         self.request_nodes = _ema(self.request_nodes, nodes, self.momentum)
         if self.batch > 1:
-            # under load every request's first drafted round reads its prompt's features, so the policy's first
-            # one counts here; so does a try's, whose pass also fuses the context of the rounds before it. Both
-            # err on the side of plain rounds
-            key = batch_bucket(self.batch)
-            self.gains[key] = _ema(self.gains.get(key), rate / self._batch_plain_rate(self.batch), self.momentum)
+            # a round whose pass caught up (fused a batch's prompts, or what its requests gathered in plain
+            # rounds) costs more than drafting does from then on: not measured, and the next round drafts to be
+            self._measure_next = self._context_rows > self._steady_rows(self.batch)
+            if not self._measure_next:
+                key = batch_bucket(self.batch)
+                self.gains[key] = _ema(self.gains.get(key), rate / self._batch_plain_rate(self.batch), self.momentum)
         if first:
             return
         self.rule.update(committed, round_ms)

@@ -400,8 +400,11 @@ class RoundWidth:
         return self._costs(prefix, batch)[0]
 
     def _lambda(self, min_throughput: float | None) -> float | None:
+        """The throughput a node must pay for: lambda, no lower than `min_throughput` (a rate other rounds
+        reach); that rate alone before lambda is measured (under load, where plain rounds are measured first, a
+        batch's first drafted rounds then stop building nodes early too)."""
         if self.lam is None or min_throughput is None:
-            return self.lam
+            return self.lam if min_throughput is None else min_throughput
         return max(self.lam, min_throughput)
 
     def stop_rule(self, prefixes: list[int],
@@ -410,8 +413,8 @@ class RoundWidth:
         change what `allocate` picks, so a round of B requests builds the few nodes that pay, not B full trees.
         After n nodes, any later prefix adds at most the best remaining mass per node and costs at least
         slopes[n] per node; when that mass is at most lambda * slopes[n], none beats the best so far. None where
-        the bound does not hold: before lambda is measured (allocate then derives it from all the masses) and
-        with calibrated masses (which need not fall along the order)."""
+        the bound does not hold: before lambda is measured where no other rate is given (allocate then derives it
+        from all the masses) and with calibrated masses (which need not fall along the order)."""
         lam = self._lambda(min_throughput)
         if lam is None or self.calibration is not None:
             return None

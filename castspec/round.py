@@ -147,7 +147,8 @@ def draft(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence],
     marginals: list[Marginals | None] = [None] * len(seqs)
     drafting = [i for i, s in enumerate(seqs) if s.decoding and s.wants_draft()] if policy is not None else []
     if not drafting or not policy.should_draft(len(drafting), sum(seqs[i].draft.pending_rows for i in drafting),
-                                               prefilling=any(s.reading_prompt for s in seqs)):
+                                               prefilling=any(s.reading_prompt for s in seqs),
+                                               horizon=sum(seqs[i].remaining for i in drafting)):
         return marginals
     chosen = [seqs[i] for i in drafting]
     L = drafter.cfg.num_draft_positions

@@ -416,14 +416,17 @@ def test_cost_policy_prior_under_load_pays_for_the_nodes_its_tokens_need(verify_
     assert policy.should_draft(16) == drafts
 
 
-@pytest.mark.parametrize("single,batched,drafts", [(None, None, False), ([0.001, 0.001], 0.1, False),
-                                                   ([0.1, 0.1], 0.001, True)])
-def test_cost_policy_prices_the_context_a_first_batched_pass_fuses(single, batched, drafts):
-    # 16 requests whose drafter has not read their prompts (1600 context rows): the profile prices a pass with a
-    # few context rows per request at 1 ms, which pays (32 tokens in ~31 ms against 16 in 20). The price of a
-    # context row is the batch's own: at 0.1 ms a row that pass costs 160 ms more and cannot pay, at 0.001 ms it
-    # can (one request's price says nothing of 16's). A profile without prices per row prices a context row like
-    # a row of the probed pass (1 ms / (8 block rows + 3)): it cannot pay either.
+@pytest.mark.parametrize("single,batched,horizon,drafts", [(None, None, 16 * 20, False), (None, None, 16 * 48, True),
+                                                           ([0.001, 0.001], 0.1, 16 * 20, False),
+                                                           ([0.1, 0.1], 0.001, 16 * 20, True)])
+def test_cost_policy_drafts_under_load_where_its_catch_up_is_repaid(single, batched, horizon, drafts):
+    # 16 requests whose drafter has not read their prompts (1600 context rows). A drafted round as the profile
+    # prices it pays: a pass of 1 ms and 32 rows verified in 30 ms for 32 tokens, against 16 in 20 ms (1.29x, ~0.28
+    # ms saved a token). Fusing what the drafter has not read, the rows past a drafted round's own (16 blocks of 8),
+    # costs 1472 rows at the batch's own price per context row, once: at 0.1 ms a row (147 ms) more than 16
+    # requests save over their last 20 tokens each, less than over 48; at 0.001 ms it pays at once (one request's
+    # price says nothing of 16's). A profile without prices per row prices a context row like a row of the probed
+    # pass (1 ms / (8 block rows + 3): 134 ms).
     prof = flat_profile(0.0)
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 30.0, 80.0], "draft_ms": 1.0}}
     prof.draft_context_ms = single
@@ -433,10 +436,30 @@ def test_cost_policy_prices_the_context_a_first_batched_pass_fuses(single, batch
     plain_rounds(policy, 16, 20.0, PLAIN_FIRST - 1)
     assert not policy.should_draft(16, context_rows=16 * 3)  # a few plain rounds of 16 are measured first
     plain_rounds(policy, 16, 20.0, 1)
-    assert policy.should_draft(16, context_rows=16 * 3)  # what the probed pass fuses: no extra price
+    assert policy.should_draft(16, context_rows=16 * 8, horizon=16)  # what drafted rounds fuse: no catch-up
     assert not policy.should_draft(16, context_rows=16 * 3, prefilling=True)  # the round also reads a prompt
-    assert policy.should_draft(16, context_rows=1600) == drafts
-    assert policy.should_draft(1, context_rows=1600)  # one request drafts its first rounds whatever they cost
+    assert policy.should_draft(16, context_rows=1600, horizon=horizon) == drafts
+    assert policy.should_draft(1, context_rows=1600, horizon=1)  # one request drafts its first rounds regardless
+
+
+def test_cost_policy_measures_drafting_under_load_after_its_catch_up():
+    # the round that fuses 16 prompts costs 100 ms for 24 tokens (0.3x plain rounds of 16 in 20 ms): it enters no
+    # gain, and the next round drafts whatever the prices say, to measure drafting's own price: 24 tokens in 25 ms
+    prof = flat_profile(0.0)
+    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 30.0, 80.0], "draft_ms": 1.0,
+                         "draft_context_ms": 0.001}}
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None), block_rows=8)
+    plain_rounds(policy, 16, 20.0, PLAIN_FIRST)
+    assert policy.should_draft(16, context_rows=1600, horizon=16 * 40)
+    policy.batch, policy.nodes = 16, 16
+    policy.update(24, 100.0)  # the catch-up
+    assert not policy.gains
+    prof.batch["16"]["verify_ms"] = [20.0, 300.0, 800.0]  # prices that say drafting cannot pay
+    policy._pass_prices.clear()
+    assert policy.should_draft(16, context_rows=16 * 2, horizon=16 * 39)
+    policy.update(24, 25.0)
+    assert policy.gains[16] == pytest.approx(24 / 25.0 / (16 / 20.0))
+    assert policy.should_draft(16, context_rows=16 * 2, horizon=16 * 38)  # measured: 1.2x plain rounds
 
 
 def test_cost_policy_prices_a_plain_round_from_a_measured_batch_of_its_bucket():

@@ -1,0 +1,67 @@
+"""The batched drafter pass under load at several depths (block positions whose rows the pass finishes), each
+timed right after the batch's verify as rounds run it, and that verify (B requests x 2 rows): medians (ms) over
+REPS passes, one JSON line per repeat.
+
+    python scripts/batched_pass.py [--batch 16] [--depths 7,2,1] [--prefix 128] [--reps 9] [--repeats 3]
+
+Runs with any checkout's Python (`PYTHONPATH=<its root> python scripts/batched_pass.py`), so that a checkout from
+before a change can be timed in turn with one after it. Nothing else should run meanwhile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import castspec
+from castspec.config import DecodeConfig
+from castspec.probe import _draft_shape, _medians_ms, _verify_call
+from castspec.round import run_round
+from castspec.sequence import Sequence, propose_batch
+from castspec.tree import build_tree
+
+CONTEXT = 3  # new context rows per request a pass fuses, as the probe's (cost.DRAFT_CONTEXT_ROWS)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--depths", default="7,2,1")
+    p.add_argument("--prefix", type=int, default=128)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    engine = castspec.load()
+    target, drafter = engine.target, engine.drafter
+    L, g, logprobs = _draft_shape(drafter, target.cfg.vocab_size, 0)
+    depths = [min(int(d), L) for d in args.depths.split(",")]
+    B, V = args.batch, target.cfg.vocab_size
+    with torch.inference_mode():
+        seqs = [Sequence(target, drafter, torch.randint(0, V, (args.prefix,), generator=g).tolist(),
+                         DecodeConfig(method="cast", max_new_tokens=2), 16) for _ in range(B)]
+        run_round(target, drafter, seqs, None, prefill_budget=args.prefix * B)
+        verify = _verify_call(target, seqs, build_tree(logprobs, 1, 8))  # each request: its root and one node
+        states = [s.draft for s in seqs]
+        pending = [st.pending for st in states]
+        ends = [st.cache.length + c.shape[1] for st, c in zip(states, pending)]
+        roots = [s.root for s in seqs]
+        propose_batch(target, drafter, states, roots, [L] * B)  # the prompts' context cached once
+
+        def pass_at(depth: int):
+            def draft():
+                for st, c, end in zip(states, pending, ends):
+                    st.cache.length = end - CONTEXT
+                    st.pending = c[:, -CONTEXT:]
+                propose_batch(target, drafter, states, roots, [depth] * B)
+            return draft
+
+        for repeat in range(args.repeats):
+            ms = _medians_ms([pass_at(d) for d in depths] + [verify], args.reps, 2, target.device, verify)
+            print(json.dumps({"repeat": repeat, "batch": B, "prefix": args.prefix,
+                              "pass_ms": {str(d): round(m, 3) for d, m in zip(depths, ms)},
+                              "verify_ms": round(ms[-1], 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
