@@ -60,17 +60,17 @@ static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16,
     s->blk_slot = take(a, sizeof(int64_t) * T);
 }
 
-/* The context rows of every segment (features [C, fc_in], at RoPE positions ctx_pos, concatenated in segment
- * order) are fused (fc, norm) and their keys/values written to their cache's slots [start, start + ctx_rows);
- * each segment's block rows (block_emb [T, hidden], positions block_pos, also concatenated) see their cache up
- * to there and their whole block. out [T, hidden] receives the final-normed block rows. Inputs and output are
- * fp32 activations whatever the model's dtype (layer.h). A block's own keys/values go to the slots after its context as scratch (the
- * cache's length stays start + ctx_rows; the caller guarantees capacity for both). With `finish` (F ascending
- * block rows), out [F, hidden] receives only those rows: the last layer still writes every block row's keys and
- * values, which the others attend to, but runs attention, the MLP and the final norm for those rows alone (a
- * batched pass whose trees read one or two positions of each block skips most of its last layer); each row's
- * bits are those of the whole pass, since no step mixes rows. finish NULL: every row. Returns 0, or -1 when out
- * of memory. */
+/* The context rows of every segment (features [C, fc_in], at RoPE positions ctx_pos, concatenated in segment order)
+ * are fused (fc, norm) and their keys/values written to their cache's slots [start, start + ctx_rows); each
+ * segment's block rows (block_emb [T, hidden], positions block_pos, also concatenated) see their cache up to there
+ * and their whole block. out [T, hidden] receives the final-normed block rows. Inputs and output are fp32
+ * activations whatever the model's dtype (layer.h). A block's own keys/values go to the slots after its context as
+ * scratch (the cache's length stays start + ctx_rows; the caller guarantees capacity for both). With `finish` (F
+ * ascending block rows), out [F, hidden] receives only those rows: the last layer still writes every block row's
+ * keys and values, which the others attend to, but runs attention, the MLP and the final norm for those rows alone
+ * (a batched pass whose trees read one or two positions of each block skips most of its last layer); each row's
+ * bits are those of the whole pass, since no step mixes rows. finish NULL: every row. Returns 0, or -1 when out of
+ * memory. */
 int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C, const float *features,
                 const int64_t *ctx_pos, int T, const float *block_emb, const int64_t *block_pos, const int64_t *finish,
                 int F, float *out) {
@@ -173,10 +173,10 @@ static void log_softmax_row(float *x, int n) {
 }
 
 /* The drafter's log-probabilities over its draft vocabulary for the block rows that draft: rows rows[0..R) of
- * hidden [*, H] (final-normed, fp32; rows NULL: its first R rows) through the head's packed panels [S, H] (the target's lm_head rows of the
- * draft vocabulary; bf16 when bf16 is set, else fp32; an Int8Weight when i8 is set), log-softmaxed; out [R, S]
- * fp32. One call for what the pass hands the tree: the head's product (gemm.c, each row's sums its own) and the
- * normalization. Returns 0, or -1 when out of memory. */
+ * hidden [*, H] (final-normed, fp32; rows NULL: its first R rows) through the head's packed panels [S, H] (the
+ * target's lm_head rows of the draft vocabulary; bf16 when bf16 is set, else fp32; an Int8Weight when i8 is set),
+ * log-softmaxed; out [R, S] fp32. One call for what the pass hands the tree: the head's product (gemm.c, each row's
+ * sums its own) and the normalization. Returns 0, or -1 when out of memory. */
 int draft_logprobs(int bf16, int i8, const void *head, int S, int H, const float *hidden, const int64_t *rows, int R,
                    float *out) {
     StepModel m;
