@@ -238,7 +238,7 @@ class CostAware(Policy):
         self.gains: dict[int, float] = {}
         self.reached: dict[int, int] = {}  # per batch bucket: the deepest tree of its last drafted round
         self._pass_prices: dict[int, tuple[float | None, float]] = {}  # batch -> the profile's pass, context row
-        self._context_rows = 0  # under load: the context rows of the round last decided on (should_draft)
+        self._context_rows = 0  # the context rows of the round last decided on (should_draft)
         self._measure_next = False  # under load: the last drafted round caught up (its gain not measured)
 
     def _plain_rate(self) -> float:
@@ -309,10 +309,10 @@ class CostAware(Policy):
             # drafting (run_round gives it no update): drafting there would go on the prior for good, and it sets
             # the decoding requests apart, so their successors' prompts are read in more rounds
             return False
+        self._context_rows = context_rows  # what the round's pass fuses, if it drafts (update reads it)
         if self.burst is not None and (batch == 1 or self.burst.ms > 0):
             return True  # a try that is due (one request), or one that has begun
         if batch > 1:
-            self._context_rows = context_rows
             if self._measure_next:
                 return True  # the round after a catch-up: drafting's own price, measured (update)
             bucket = batch_bucket(batch)

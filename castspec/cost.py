@@ -118,10 +118,10 @@ class CostProfile:
     def batch_draft_at(self, batch: int, prefix: float, block_rows: int | None = None) -> float | None:
         """One drafter pass for `batch` requests: the single-request pass at B = 1, else interpolated over the
         probed batch sizes (past the largest, the last slope goes on), which finish BATCH_DRAFT_DEPTH rows a block
-        as the cost policy's batched rounds do. Without batched measurements, given the
-        rows of one request's block, the single pass scaled as this device's verify cost grows from one block's
-        rows to B blocks' (both are mostly the same kind of products: flat where a forward is bound by the
-        weight read, linear where it is compute-bound); else None."""
+        as the cost policy's batched rounds do. Without batched measurements, given the rows of one request's
+        block, the single pass scaled as this device's verify cost grows from one block's rows to B blocks' (both
+        are mostly the same kind of products: flat where a forward is bound by the weight read, linear where it is
+        compute-bound); else None."""
         if batch <= 1:
             return self.draft_at(prefix)
         if not self.batch:
