@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import METHODS, DecodeConfig
-from .cost import BATCH_DRAFT_DEPTH, DRAFT_CONTEXT_ROWS, Calibration, CostProfile, RoundWidth
+from .cost import BATCH_DRAFT_DEPTH, Calibration, CostProfile, RoundWidth
 from .tree import Tree, build_forest, build_tree, universe_size
 
 POLICIES = ("chain", "fixed", "uniform", "shared", "cost")
