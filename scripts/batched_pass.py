@@ -48,6 +48,8 @@ def main() -> None:
         roots = [s.root for s in seqs]
         propose_batch(target, drafter, states, roots, [L] * B)  # the prompts' context cached once
 
+        # probe._draft_calls' passes at one depth each: written out here because checkouts from before the
+        # depth existed (the ones this script times in turn) have no way to ask that helper for it
         def pass_at(depth: int):
             def draft():
                 for st, c, end in zip(states, pending, ends):
