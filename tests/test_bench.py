@@ -1,4 +1,5 @@
 """The benchmark harness end to end on a tiny model, and its statistics on synthetic data."""
+import importlib.util
 import json
 import sys
 
@@ -73,11 +74,63 @@ def test_harness_end_to_end(bench_dirs, capsys):
         assert (out / png).stat().st_size > 1000
 
 
+def test_llamacpp_method_timed_as_the_others(bench_dirs):
+    """The llamacpp method through the harness: its runner decodes from the token ids castspec decodes from, its
+    time runs from its first token to its last, and every other method is compared with it."""
+    from castspec.bench import llamacpp
+    from castspec.bench.harness import BenchConfig, file_prompts, markdown, run_bench
+    from castspec.engine import load
+
+    engine = load(target=str(bench_dirs / "target"), drafter=None, device="cpu", dtype="fp32")
+    prompts = file_prompts(bench_dirs / "prompts.jsonl", 5)
+    seen = []
+
+    def replay(ids, stop, max_new):  # llama.cpp's runner interface, decoding with castspec's ar, 2 ms a token
+        seen.append(list(ids))
+        r = engine.generate(input_ids=ids, method="ar", max_new_tokens=max_new)
+        n = len(r.token_ids)
+        return llamacpp.Continuation(r.token_ids, [0.0] * n, [0.002 * i for i in range(n)])
+
+    cfg = BenchConfig(methods=[MethodSpec.parse("ar"), MethodSpec.parse("llamacpp")], resamples=100)
+    cfg.max_new["*"] = 10
+    report = run_bench(engine, prompts, cfg, progress=False, llamacpp=replay)
+    assert [1, 2, 3] in seen and [5, 6, 7, 8] in seen  # the prompts as castspec decodes them
+    for rows in report["per_domain"].values():
+        assert rows["llamacpp"]["ms_per_token"] == pytest.approx(2.0)
+        assert rows["llamacpp"]["tokens"] == rows["ar"]["tokens"]  # the same greedy tokens, counted alike
+        assert rows["ar"]["speedup_vs_llamacpp"] > 0 and "speedup_vs_llamacpp" not in rows["llamacpp"]
+    assert "speedup_vs_llamacpp" in report["average_of_domain_ratios"]["ar"]
+    assert "| vs llama.cpp |" in markdown(report)
+    with pytest.raises(ValueError, match="needs a llama.cpp runner"):
+        run_bench(engine, prompts, cfg, progress=False)
+    cfg.temperature = 1.0
+    with pytest.raises(ValueError, match="decodes greedily"):
+        run_bench(engine, prompts, cfg, progress=False, llamacpp=replay)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed (pip install -e '.[compare]')")
+def test_bench_against_llama_cpp(tmp_path, capsys):
+    """castspec's ar and llama.cpp on the default target's weights in bf16, one chat prompt."""
+    code = main(["bench", "--domains", "chat", "--n", "1", "--max-new-tokens", "8", "--methods", "ar,llamacpp",
+                 "--resamples", "100", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "report.json").read_text())["per_domain"]["chat"]
+    assert rows["llamacpp"]["tokens"] > 1 and rows["llamacpp"]["ms_per_token"] > 0
+    assert rows["ar"]["speedup_vs_llamacpp"] > 0
+
+
 def test_bench_bad_input(bench_dirs, capsys):
     code = main(["bench", "--target", str(bench_dirs / "target"), "--prompts", str(bench_dirs / "nope.jsonl")])
     assert code == 2 and "no such file" in capsys.readouterr().err
     code = main(["bench", "--target", str(bench_dirs / "target"), "--methods", "beam"])
     assert code == 2 and "unknown method" in capsys.readouterr().err
+    # llama.cpp reads GGUF files and decodes greedily
+    code = main(["bench", "--target", str(bench_dirs / "target"), "--prompts", str(bench_dirs / "prompts.jsonl"),
+                 "--methods", "ar,llamacpp", "--out", str(bench_dirs / "out-llama")])
+    assert code == 2 and "needs a GGUF target" in capsys.readouterr().err
+    code = main(["bench", "--target", str(bench_dirs / "target"), "--methods", "llamacpp", "--temperature", "1"])
+    assert code == 2 and "decodes greedily" in capsys.readouterr().err
 
 
 def test_hub_domains_fail_clearly_offline(monkeypatch):

@@ -113,6 +113,9 @@ class FakeLlama:
     def n_vocab(self):
         return 10
 
+    def n_ctx(self):
+        return self.kw["n_ctx"]
+
     def reset(self):
         self.tokens = []
 
@@ -149,6 +152,25 @@ def test_greedy_runner_takes_argmax_and_stops_like_castspec(monkeypatch, tmp_pat
     assert llm.evals == [[1, 2, 3], [4], [5], [6], [5], [6]] and llm.closed  # nothing evaluated after a stop
     assert llm.kw["n_threads"] == llm.kw["n_threads_batch"] == 3 and llm.kw["type_k"] == llm.kw["type_v"] == Q.BF16
     assert [r.token_ids for r in llamacpp.greedy(tmp_path / "m.gguf", [[0]], {7}, 2, cfg)] == [[1, 2]]
+    # every token stamped once it is chosen, in order (the bench's decode timer reads these)
+    assert all(len(r.times) == len(r.token_ids) and r.times == sorted(r.times) for r in runs)
+    assert not llm.kw["flash_attn"]
+
+
+def test_runner_refuses_a_context_it_cannot_hold(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_llama_cpp())
+    runner = llamacpp.Runner(tmp_path / "m.gguf", llamacpp.RunnerConfig(1, "f16", 8, flash_attn=True))
+    assert FakeLlama.made[-1].kw["flash_attn"] and FakeLlama.made[-1].kw["type_k"] == Q.F16
+    assert runner([1, 2], set(), 6).token_ids == [3, 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match="exceed llama.cpp's context of 8"):
+        runner([1, 2, 3], set(), 6)
+    runner.close()
+    assert FakeLlama.made[-1].closed
+
+
+def test_bench_runner_needs_a_gguf(tmp_path):
+    with pytest.raises(ValueError, match="needs a GGUF target"):
+        llamacpp.bench_runner(str(tmp_path), 64)
 
 
 def test_pairs_in_agreement_format():

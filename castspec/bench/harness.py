@@ -1,4 +1,4 @@
-"""`castspec bench`: ar vs chain vs cast (and the transformers baselines) on real prompt sets.
+"""`castspec bench`: ar vs chain vs cast (and the transformers and llama.cpp baselines) on real prompt sets.
 
 Timer (paper, Appendix D): decode-only time opens after prefill (and after the first draft for speculative
 methods) and closes after the last token; every method counts its emitted new tokens the same way (up to and
@@ -22,6 +22,9 @@ from .stats import paired_bootstrap, ratio_of_rates
 
 DEFAULT_MAX_NEW = {"code": 256, "math": 256, "chat": 256}
 NO_THINKING = {"enable_thinking": False}  # templates with a thinking switch (Qwen3) run with it off; others ignore it
+# other implementations' decoding, each method's speed over theirs reported (speedup_vs_<name>): transformers
+# `generate`, its prompt lookup, llama.cpp
+BASELINES = ("hf", "hf-pld", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class BenchPrompt:
 
 @dataclass
 class MethodSpec:
-    name: str  # ar | chain | cast | hf | hf-pld
+    name: str  # ar | chain | cast | hf | hf-pld | llamacpp
     width: int | str | None = None
     calibrate: bool = False  # cast:auto+cal: the per-round rule on recalibrated masses
 
@@ -45,8 +48,9 @@ class MethodSpec:
     @staticmethod
     def parse(text: str) -> "MethodSpec":
         name, _, width = text.partition(":")
-        if name not in ("ar", "chain", "cast", "hf", "hf-pld"):
-            raise ValueError(f"unknown method {text!r}; use ar, chain, cast[:N|:auto|:auto+cal], hf, hf-pld")
+        if name not in ("ar", "chain", "cast", *BASELINES):
+            raise ValueError(f"unknown method {text!r}; use ar, chain, cast[:N|:auto|:auto+cal], "
+                             f"{', '.join(BASELINES)}")
         if name == "cast":
             w = width or "auto"
             if w == "auto+cal":
@@ -213,6 +217,18 @@ def run_hf(hf, engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperatu
     return Run(p, spec.label, seed, tokens, decode, e2e, max(n - 1, 0), max(n - 1, 0))
 
 
+def run_llamacpp(runner, engine, p: BenchPrompt, spec: MethodSpec, max_new: int, temperature: float, seed) -> Run:
+    """llama.cpp's greedy decoding of the token ids castspec decodes from (`runner`: llamacpp.Runner), timed as
+    run_hf times transformers: from its first emitted token to its last counted one."""
+    ids = engine.encode(messages=p.messages, input_ids=p.input_ids, chat_template_kwargs=NO_THINKING)
+    t0 = time.perf_counter()
+    out = runner(ids, set(engine.stop_ids()), max_new)
+    e2e = (time.perf_counter() - t0) * 1e3
+    n = len(out.token_ids)
+    decode = (out.times[n - 1] - out.times[0]) * 1e3 if n > 1 else 0.0
+    return Run(p, spec.label, seed, out.token_ids, decode, e2e, max(n - 1, 0), max(n - 1, 0))
+
+
 @dataclass
 class BenchConfig:
     methods: list[MethodSpec]
@@ -222,7 +238,13 @@ class BenchConfig:
     resamples: int = 10_000
 
 
-def run_bench(engine, prompts: list[BenchPrompt], cfg: BenchConfig, progress: bool = True) -> dict:
+def run_bench(engine, prompts: list[BenchPrompt], cfg: BenchConfig, progress: bool = True, llamacpp=None) -> dict:
+    """`llamacpp`: the runner of the llamacpp method (llamacpp.bench_runner), needed when cfg has it."""
+    if any(m.name == "llamacpp" for m in cfg.methods):
+        if llamacpp is None:
+            raise ValueError("the llamacpp method needs a llama.cpp runner")
+        if cfg.temperature > 0:
+            raise ValueError("the llamacpp method decodes greedily: run it at temperature 0")
     hf = None
     if any(m.name.startswith("hf") for m in cfg.methods):
         # deferred: only the transformers baselines need it, and it is slow to import
@@ -232,7 +254,9 @@ def run_bench(engine, prompts: list[BenchPrompt], cfg: BenchConfig, progress: bo
     # warm-up: one-time kernel compilation must not land in the first measured prompt
     warm = prompts[0]
     for spec in cfg.methods:
-        if not spec.name.startswith("hf"):
+        if spec.name == "llamacpp":
+            run_llamacpp(llamacpp, engine, warm, spec, 4, cfg.temperature, 0)
+        elif not spec.name.startswith("hf"):
             run_ours(engine, warm, spec, 4, cfg.temperature, 0)
     runs: list[Run] = []
     total = len(prompts) * len(cfg.methods) * len(cfg.seeds)
@@ -241,7 +265,9 @@ def run_bench(engine, prompts: list[BenchPrompt], cfg: BenchConfig, progress: bo
             max_new = cfg.max_new.get(p.domain, cfg.max_new.get("*", 256))
             for seed in cfg.seeds:
                 for spec in cfg.methods:
-                    if spec.name.startswith("hf"):
+                    if spec.name == "llamacpp":
+                        runs.append(run_llamacpp(llamacpp, engine, p, spec, max_new, cfg.temperature, seed))
+                    elif spec.name.startswith("hf"):
                         runs.append(run_hf(hf, engine, p, spec, max_new, cfg.temperature, seed))
                     else:
                         runs.append(run_ours(engine, p, spec, max_new, cfg.temperature, seed))
@@ -276,15 +302,15 @@ def summarize(runs: list[Run], cfg: BenchConfig, engine) -> dict:
                 g, lo, hi = paired_bootstrap(rows["chain"]["_ms"], rows["chain"]["_tok"], row["_ms"], row["_tok"],
                                              cfg.resamples)
                 row["gain_vs_chain"], row["gain_vs_chain_ci95"] = g, [lo, hi]
-            for base in ("hf", "hf-pld"):
-                if base in rows and not m.startswith("hf"):
+            for base in BASELINES:
+                if base in rows and m not in BASELINES:
                     row[f"speedup_vs_{base}"] = ratio_of_rates(rows[base]["_ms"], rows[base]["_tok"], row["_ms"],
                                                                row["_tok"])
         per_domain[d] = {m: {k: v for k, v in row.items() if not k.startswith("_")} for m, row in rows.items()}
     averages = {}
     for m in labels:
         avg = {}
-        for key in ("speedup_vs_ar", "gain_vs_chain", "R", "speedup_vs_hf", "speedup_vs_hf-pld"):
+        for key in ("speedup_vs_ar", "gain_vs_chain", "R", *(f"speedup_vs_{b}" for b in BASELINES)):
             vals = [per_domain[d][m][key] for d in domains if key in per_domain[d][m]]
             if vals:
                 avg[key] = float(np.mean(vals))
@@ -302,18 +328,18 @@ def summarize(runs: list[Run], cfg: BenchConfig, engine) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"dtype: {report['dtype']}, temperature {report['temperature']}", "",
              "| domain | method | ms/token | speedup vs ar | R | gain vs chain (95% CI) | vs transformers "
-             f"| ms a round: {' / '.join(PHASES)} |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| vs llama.cpp | ms a round: {' / '.join(PHASES)} |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for d, rows in report["per_domain"].items():
         for m, r in rows.items():
             gain = ""
             if "gain_vs_chain" in r:
                 lo, hi = r["gain_vs_chain_ci95"]
                 gain = f"{100 * r['gain_vs_chain']:+.1f}% ({100 * lo:+.1f}, {100 * hi:+.1f})"
-            vs_hf = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else ""
+            vs_hf, vs_llama = (f"{r[k]:.2f}x" if k in r else "" for k in ("speedup_vs_hf", "speedup_vs_llamacpp"))
             phases = " / ".join(f"{r['ms_per_round'][k]:.2f}" for k in PHASES) if "ms_per_round" in r else ""
             lines.append(f"| {d} | {m} | {r['ms_per_token']:.1f} | {r.get('speedup_vs_ar', float('nan')):.2f}x | "
-                         f"{r['R']:.2f} | {gain} | {vs_hf} | {phases} |")
+                         f"{r['R']:.2f} | {gain} | {vs_hf} | {vs_llama} | {phases} |")
     lines += ["", "Average of domain ratios:", ""]
     for m, avg in report["average_of_domain_ratios"].items():
         lines.append(f"- {m}: " + ", ".join(f"{k} {v:.3f}" for k, v in avg.items()))

@@ -24,7 +24,8 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
 
@@ -147,12 +148,14 @@ class RunnerConfig:
     n_threads: int
     kv_cache: str  # "f32" | "bf16" | "f16": llama.cpp's K and V cache type
     n_ctx: int
+    flash_attn: bool = False  # llama.cpp's fused attention (its fastest on this CPU; the agreement runs without)
 
 
 @dataclass
 class Continuation:
     token_ids: list[int]
     gaps: list[float]  # per position, the top-two logit gap of the chosen token's step
+    times: list[float] = field(default_factory=list)  # per position, when its token was chosen (perf_counter)
 
 
 def import_llama_cpp():
@@ -176,6 +179,7 @@ def greedy_one(llama_cpp, llm, ids: list[int], stop: set[int], max_new: int) -> 
     while len(out.token_ids) < max_new:
         logits = last_logits(llama_cpp, llm)
         tok = int(np.argmax(logits))
+        out.times.append(time.perf_counter())  # as a streamer stamps a token: once it is known
         second, best = np.partition(logits, -2)[-2:]
         out.token_ids.append(tok)
         out.gaps.append(float(best - second))
@@ -185,17 +189,48 @@ def greedy_one(llama_cpp, llm, ids: list[int], stop: set[int], max_new: int) -> 
     return out
 
 
+class Runner:
+    """llama.cpp on one GGUF, on the CPU, kept open: `runner(ids, stop, max_new)` is the greedy continuation of
+    those token ids, each token timestamped (`castspec bench`'s llamacpp method times its decoding with it)."""
+
+    def __init__(self, model_path: Path, cfg: RunnerConfig):
+        self._llama_cpp = import_llama_cpp()
+        kv = int(KV_TYPES[cfg.kv_cache])
+        self._llm = self._llama_cpp.Llama(model_path=str(model_path), n_ctx=cfg.n_ctx, n_threads=cfg.n_threads,
+                                          n_threads_batch=cfg.n_threads, n_gpu_layers=0, type_k=kv, type_v=kv,
+                                          flash_attn=cfg.flash_attn, verbose=False)
+
+    def __call__(self, ids: list[int], stop: set[int], max_new: int) -> Continuation:
+        if len(ids) + max_new > self._llm.n_ctx():
+            raise ValueError(f"prompt ({len(ids)} tokens) + {max_new} new tokens exceed llama.cpp's context of "
+                             f"{self._llm.n_ctx()}")
+        return greedy_one(self._llama_cpp, self._llm, ids, stop, max_new)
+
+    def close(self) -> None:
+        self._llm.close()
+
+
 def greedy(model_path: Path, prompt_ids: list[list[int]], stop: set[int], max_new: int,
            cfg: RunnerConfig) -> list[Continuation]:
     """llama.cpp's greedy continuation of each prompt's token ids, on the CPU."""
-    llama_cpp = import_llama_cpp()
-    kv = int(KV_TYPES[cfg.kv_cache])
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=cfg.n_ctx, n_threads=cfg.n_threads,
-                          n_threads_batch=cfg.n_threads, n_gpu_layers=0, type_k=kv, type_v=kv, verbose=False)
+    runner = Runner(model_path, cfg)
     try:
-        return [greedy_one(llama_cpp, llm, ids, stop, max_new) for ids in prompt_ids]
+        return [runner(ids, stop, max_new) for ids in prompt_ids]
     finally:
-        llm.close()
+        runner.close()
+
+
+def bench_runner(target: str | None, n_ctx: int) -> Runner:
+    """What `castspec bench --methods llamacpp` decodes with: llama.cpp on the bf16 rewrite of the target GGUF
+    (the weights castspec's bf16 decodes with), its KV cache in its default f16, its fused attention on, as many
+    threads as castspec's."""
+    src = Path(target) if target else default_gguf_path()
+    if src.suffix != ".gguf" or not src.is_file():
+        raise ValueError(f"the llamacpp method needs a GGUF target (the default one, or --target FILE.gguf), "
+                         f"not {src}")
+    import_llama_cpp()  # before converting the weights
+    model = cached_gguf(src, env.cache_dir() / "llamacpp", "bf16")
+    return Runner(model, RunnerConfig(torch.get_num_threads(), "f16", n_ctx, flash_attn=True))
 
 
 def castspec_inputs(target, prompts) -> tuple[list[list[int]], set[int]]:

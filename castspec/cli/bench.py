@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..bench import llamacpp
 from ..bench.harness import BenchConfig, MethodSpec, builtin_prompts, file_prompts, markdown, plots, run_bench
 from .common import UserError, add_model_args, int_list, load_engine
 
@@ -17,6 +18,8 @@ def cmd_bench(args) -> int:
         seeds = int_list("--seeds", args.seeds) or [None]
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.temperature > 0 and any(m.name == "llamacpp" for m in methods):
+        raise UserError("the llamacpp method decodes greedily: run it at --temperature 0")
     if args.temperature > 0 and seeds == [None]:
         seeds = [0]
     if args.prompts:
@@ -29,10 +32,20 @@ def cmd_bench(args) -> int:
         raise UserError("no prompts to run")
     engine = load_engine(args)
     if any(m.name in ("chain", "cast") for m in methods) and engine.drafter is None:
-        raise UserError("chain/cast need a drafter: pass --drafter DIR (or bench only ar,hf,hf-pld)")
+        raise UserError("chain/cast need a drafter: pass --drafter DIR (or bench only ar,hf,hf-pld,llamacpp)")
     cfg = BenchConfig(methods=methods, temperature=args.temperature, seeds=seeds, resamples=args.resamples)
     cfg.max_new.update(max_new)
-    report = run_bench(engine, prompts, cfg)
+    runner = None
+    if any(m.name == "llamacpp" for m in methods):
+        try:
+            runner = llamacpp.bench_runner(args.target, engine.target.cfg.max_positions)
+        except (RuntimeError, ValueError) as e:
+            raise UserError(str(e)) from None
+    try:
+        report = run_bench(engine, prompts, cfg, llamacpp=runner)
+    finally:
+        if runner is not None:
+            runner.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -60,7 +73,8 @@ def register(sub) -> None:
                    "through datasets: gsm8k, math500, mbpp")
     p.add_argument("--prompts", default=None, help="JSONL of {domain, prompt|messages|input_ids} instead")
     p.add_argument("--n", type=int, default=40, help="first n prompts per domain, in dataset order")
-    p.add_argument("--methods", default="ar,chain,cast:auto", help="comma list: ar, chain, cast[:N|:auto|:auto+cal], hf, hf-pld")
+    p.add_argument("--methods", default="ar,chain,cast:auto", help="comma list: ar, chain, cast[:N|:auto|:auto+cal], hf, hf-pld, llamacpp "
+                   "(llama.cpp on the same weights in bf16, greedy; pip install -e '.[compare]')")
     p.add_argument("--sweep", default="", help="also run cast at these widths, e.g. 1,3,7,15,31,63")
     p.add_argument("--max-new-tokens", default="256", help="N or per domain: code=256,chat=128")
     p.add_argument("--temperature", type=float, default=0.0)
