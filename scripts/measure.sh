@@ -26,6 +26,10 @@ $PY -m castspec.bench.engine --out "$R"/engine.json
 $C bench --n 5 --max-new-tokens 96 --methods ar,chain,cast:auto,cast:auto+cal,cast:3,cast:7,cast:15,hf \
     --out "$R"/bench
 $C bench --drafter runs/drafter-full-vocab --n 5 --max-new-tokens 96 --methods ar,cast:7 --out "$R"/bench-full-vocab
+# against llama.cpp on the same weights in bf16, where llama-cpp-python is installed (pip install -e '.[compare]')
+if $PY -c "import llama_cpp" 2>/dev/null; then
+  $C bench --n 5 --max-new-tokens 96 --methods ar,llamacpp,hf,cast:auto --out "$R"/bench-llamacpp
+fi
 # sampling at T = 1: chain vs tree vs auto, three seeds
 $C bench --n 3 --max-new-tokens 64 --temperature 1 --seeds 0,1,2 --methods ar,chain,cast:15,cast:auto \
     --out "$R"/bench-t1
