@@ -148,7 +148,7 @@ class RunnerConfig:
     n_threads: int
     kv_cache: str  # "f32" | "bf16" | "f16": llama.cpp's K and V cache type
     n_ctx: int
-    flash_attn: bool = False  # llama.cpp's fused attention (its fastest on this CPU; the agreement runs without)
+    flash_attn: bool = False  # llama.cpp's fused attention: on where its speed is measured, off for the agreement
 
 
 @dataclass
