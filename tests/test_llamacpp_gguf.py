@@ -168,9 +168,14 @@ def test_runner_refuses_a_context_it_cannot_hold(monkeypatch, tmp_path):
     assert FakeLlama.made[-1].closed
 
 
-def test_bench_runner_needs_a_gguf(tmp_path):
+def test_bench_runner_needs_a_gguf_and_llama_cpp(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="needs a GGUF target"):
         llamacpp.bench_runner(str(tmp_path), 64)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as where llama-cpp-python is not installed
+    monkeypatch.setattr(llamacpp.env, "cache_dir", lambda: tmp_path)
+    with pytest.raises(RuntimeError, match="needs llama-cpp-python"):
+        llamacpp.bench_runner(None, 64)  # the default target, before any conversion
+    assert not (tmp_path / "llamacpp").exists()
 
 
 def test_pairs_in_agreement_format():
