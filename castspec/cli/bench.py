@@ -18,7 +18,8 @@ def cmd_bench(args) -> int:
         seeds = int_list("--seeds", args.seeds) or [None]
     except ValueError as e:
         raise UserError(str(e)) from None
-    if args.temperature > 0 and any(m.name == "llamacpp" for m in methods):
+    with_llamacpp = any(m.name == "llamacpp" for m in methods)
+    if args.temperature > 0 and with_llamacpp:
         raise UserError("the llamacpp method decodes greedily: run it at --temperature 0")
     if args.temperature > 0 and seeds == [None]:
         seeds = [0]
@@ -36,7 +37,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(methods=methods, temperature=args.temperature, seeds=seeds, resamples=args.resamples)
     cfg.max_new.update(max_new)
     runner = None
-    if any(m.name == "llamacpp" for m in methods):
+    if with_llamacpp:
         try:
             runner = llamacpp.bench_runner(args.target, engine.target.cfg.max_positions)
         except (RuntimeError, ValueError) as e:
