@@ -18,7 +18,7 @@ from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter
 from .models.load import LoadError, load_drafter, load_target
 from .native import build as native
-from .probe import QUICK_PACKED, engine_key, probe
+from .probe import QUICK_BATCHES, QUICK_PACKED, engine_key, probe, probe_batch
 from .round import warm_up
 from .sampling import TokenLogprob
 from .serving.scheduler import Scheduler, SchedulerConfig
@@ -105,8 +105,10 @@ class Engine:
         # what this engine has learned of its drafter's calibration, shared by the requests that ask for it
         self._calibration: Calibration | None = None
 
-    def cost_profile(self, probe_if_missing: bool = True) -> CostProfile | None:
-        """This deployment's verify-cost profile: in memory, else from the cache, else a quick probe (cached)."""
+    def cost_profile(self, probe_if_missing: bool = True, batched: bool = False) -> CostProfile | None:
+        """This deployment's verify-cost profile: in memory, else from the cache, else a quick probe (cached).
+        `batched`: with batched shapes too (what the cost policy prices rounds of several requests from); a
+        profile without them gets a quick batched probe (cached with it)."""
         if self._profile is None:
             path = profile_path(cache_dir(), engine_key(self))
             if path.exists():
@@ -118,24 +120,31 @@ class Engine:
                 self._profile = probe(self, packed=QUICK_PACKED, prefix_lens=(256,), reps=7, warmup=1,
                                       progress=False)
                 self._profile.save(path)
+        if batched and probe_if_missing and self._profile is not None and not self._profile.batch:
+            log.warning("castspec: no batched shapes in this deployment's cost profile yet; probing them once")
+            probe_batch(self, self._profile, QUICK_BATCHES, per_request=(1, 2, 4),
+                        prefix=self._profile.prefix_lens[0], reps=5, warmup=1, progress=False)
+            self._profile.save(profile_path(cache_dir(), engine_key(self)))
         return self._profile
 
     def set_cost_profile(self, profile: CostProfile) -> None:
         self._profile = profile
 
-    def cost_inputs(self, spec: PolicySpec, calibrate: bool = False) -> tuple[CostProfile | None, Calibration | None]:
+    def cost_inputs(self, spec: PolicySpec, calibrate: bool = False,
+                    batched: bool = False) -> tuple[CostProfile | None, Calibration | None]:
         """What the cost rule reads when `spec` is the cost rule (nothing otherwise): this deployment's cost
-        profile and, with `calibrate`, the calibration this engine learns from the requests that ask for it."""
+        profile (`batched`: with batched shapes, for a scheduler) and, with `calibrate`, the calibration this
+        engine learns from the requests that ask for it."""
         if not spec.uses_cost or self.drafter is None:
             return None, None
         if calibrate and self._calibration is None:
             self._calibration = Calibration(depths=self.drafter.cfg.num_draft_positions)
-        return self.cost_profile(), self._calibration if calibrate else None
+        return self.cost_profile(batched=batched), self._calibration if calibrate else None
 
     def scheduler(self, cfg: SchedulerConfig | None = None, method: str = "cast") -> Scheduler:
         """A continuous-batching scheduler over this engine's models (the cost policy reads the cost profile)."""
         cfg = cfg or SchedulerConfig()
-        profile, _ = self.cost_inputs(cfg.policy_spec(method))
+        profile, _ = self.cost_inputs(cfg.policy_spec(method), batched=True)
         return Scheduler(self.target, self.drafter, cfg, method=method, profile=profile)
 
     @property

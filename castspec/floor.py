@@ -115,10 +115,10 @@ def _attention_flops(cfg, rows: int, keys: int, layers: int | None = None) -> in
 
 
 def verify_cost(target, rows: int, prefix: int, batch: int = 1) -> Cost:
-    """One ragged verify forward of `batch` requests, each `rows` packed rows behind a `prefix`-token cache, as
-    decoding runs it (logits for every row): every weight matrix of the layers and the lm_head read once (the
-    embedding rows it gathers are negligible), every request's cache of prefix + rows keys and values read once;
-    the products for all rows and attention over the full prefix + rows keys."""
+    """One ragged verify forward of `batch` requests, each `rows` packed rows (their mean where they differ) behind
+    a `prefix`-token cache, as decoding runs it (logits for every row): every weight matrix of the layers and the
+    lm_head read once (the embedding rows it gathers are negligible), every request's cache of prefix + rows keys
+    and values read once; the products for all rows and attention over the full prefix + rows keys."""
     mats = _matrices(target.model.layers) + [target.head_weight]
     weight_bytes = sum(w.numel() * w.element_size() for w in mats)
     params = sum(w.numel() for w in mats)

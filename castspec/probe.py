@@ -26,6 +26,8 @@ from .verify import greedy_walk
 
 DEFAULT_PACKED = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 QUICK_PACKED = (1, 2, 4, 8, 16, 32, 64)
+# the batch sizes a scheduler's quick batched probe measures (Engine.cost_profile)
+QUICK_BATCHES = (2, 4, 8, 16)
 CONTEXT_PROBE_ROWS = 64  # context rows of the wider drafter pass that prices a pending context row
 
 
@@ -91,8 +93,10 @@ def _draft_shape(drafter, vocab: int, seed: int):
 
 
 def _verify_call(target, seqs: list[Sequence], tree) -> Callable[[], None]:
-    """One ragged verify forward of `tree` behind every sequence's root, as `run_round` runs it (no commit)."""
-    parts = [s.verify_segment(tree) for s in seqs]
+    """One ragged verify forward of `tree` (or of a list of trees, one per sequence) behind every sequence's root,
+    as `run_round` runs it (no commit)."""
+    trees = tree if isinstance(tree, list) else [tree] * len(seqs)
+    parts = [s.verify_segment(t) for s, t in zip(seqs, trees)]
     ids = torch.cat([pack.ids for pack, _ in parts], dim=1)
     pos = torch.cat([pack.positions for pack, _ in parts], dim=1)
     segments = [seg for _, seg in parts]
@@ -228,7 +232,10 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
                 seed: int = 0) -> CostProfile:
     """Add batched shapes to `profile`: one ragged verify forward of B requests (prefix `prefix` each) with n
     packed tokens per request, l(B, B*n), and the batched drafter pass, as serving runs them; each with its floor
-    at the rates `probe` measured (measured now for a profile without them)."""
+    at the rates `probe` measured (measured now for a profile without them). Beside the B*n totals, B + 1: one
+    request's one-node tree behind the others' roots. A round's first tree node can cost far more than the next
+    ones (on AMX a 17th row starts a second tile of 16 rows, which the next 15 rows fill almost free), and
+    without that point the profile would spread the step over the nodes up to 2B."""
     target, drafter = engine.target, engine.drafter
     device = target.device
     floors = (Floors(profile.floor["read_gbps"], profile.floor["gemm_gflops"]) if profile.floor
@@ -242,8 +249,12 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
             seqs = [Sequence(target, drafter, torch.randint(0, V, (prefix,), generator=g).tolist(), cfg,
                              max(per_request)) for _ in range(B)]
             run_round(target, drafter, seqs, None, prefill_budget=prefix * B)
-            totals = [B * n for n in per_request]
-            calls = [_verify_call(target, seqs, build_tree(logprobs, n - 1, top_k)) for n in per_request]
+            shapes = [(B * n, build_tree(logprobs, n - 1, top_k)) for n in per_request]
+            if 1 in per_request and B > 1:  # a point between B and 2B
+                one = [build_tree(logprobs, 1, top_k)] + [build_tree(logprobs, 0, top_k)] * (B - 1)
+                shapes.insert(per_request.index(1) + 1, (B + 1, one))
+            totals = [total for total, _ in shapes]
+            calls = [_verify_call(target, seqs, tree) for _, tree in shapes]
             times = _medians_ms(calls, reps, warmup, device)
             bar.update(len(per_request))
             # the batched pass as the cost policy's rounds under load start out: finishing BATCH_DRAFT_DEPTH rows
@@ -251,7 +262,7 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
             draft, context = (_draft_timings(target, drafter, seqs, depth, prefix, reps, warmup, calls[0])
                               if drafter else (0.0, 0.0))
             bar.update(1)
-            verify_floor = [verify_cost(target, n, prefix, B).floor_ms(floors) for n in per_request]
+            verify_floor = [verify_cost(target, total / B, prefix, B).floor_ms(floors) for total in totals]
             draft_floor = (draft_cost(drafter, target, prefix, B, DRAFT_CONTEXT_ROWS, depth).floor_ms(floors)
                            if drafter else None)
             profile.batch[str(B)] = {

@@ -221,15 +221,16 @@ def test_rounds_benchmark_end_to_end(tmp_path, capsys):
 def test_load_rounds_benchmark_end_to_end(tmp_path, capsys):
     """`python -m castspec.bench.load_rounds` on a tiny target and drafter: every round of the closed loop is
     logged and split by kind, in process (every request runs to --max-tokens: the tokens the rounds committed plus
-    each request's first, from its prompt) and through HTTP; the cost policy with drafting off drafts nothing."""
+    each request's first, from its prompt) and through HTTP; the cost policy with drafting off drafts nothing; the
+    rounds in which every slot decoded are counted apart."""
     tiny_models(tmp_path)
     out = tmp_path / "load.json"
     assert load_rounds_bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                                    "--dtype", "fp32", "--batch", "2", "--requests", "3", "--max-tokens", "5",
-                                   "--policies", "ar,cost", "--plain-too", "--http", "--repeats", "1",
+                                   "--policies", "ar,cost,cost-every", "--plain-too", "--http", "--repeats", "1",
                                    "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["policy"], r["http"]) for r in results] == [(p, h) for p in ("ar", "cost", "cost-plain")
+    assert [(r["policy"], r["http"]) for r in results] == [(p, h) for p in ("ar", "cost", "cost-every", "cost-plain")
                                                            for h in (False, True)]
     for r in results:
         kinds, rounds = r["kinds"], r["rounds"]
@@ -237,7 +238,11 @@ def test_load_rounds_benchmark_end_to_end(tmp_path, capsys):
         assert all(x["decoding"] <= 2 for x in rounds) and r["tokens_per_s"] > 0
         if not r["http"]:
             assert sum(x["committed"] for x in rounds) + 3 == r["tokens"] == 15
-        assert ("drafted" in kinds) <= (r["policy"] == "cost")
+        assert ("drafted" in kinds) <= (r["policy"] in ("cost", "cost-every"))
+        for name, k in kinds.items():  # the rounds in which every slot decoded, apart
+            full = [x for x in rounds if x["decoding"] == 2 and name == ("prefill" if x["prefill_tokens"] else
+                                                                           "drafted" if x["drafted"] else "plain")]
+            assert k["full"]["rounds"] == len(full) and k["full"]["committed"] == sum(x["committed"] for x in full)
 
 
 def test_agreement_end_to_end(bench_dirs, tmp_path, capsys):

@@ -33,21 +33,24 @@ from ..serving.server import create_app
 
 def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: bool = False,
         prefix_cache_mb: float = SchedulerConfig.prefix_cache_mb) -> dict:
-    """One closed loop; `spec` is a load test policy (ar, chain, cost, fixed:N, ...) or "<policy>-plain" (never
-    drafts). `http`: through the load test's clients and server instead of stepping the scheduler here.
+    """One closed loop; `spec` is a load test policy (ar, chain, cost, fixed:N, ...), "<policy>-plain" (never
+    drafts) or "<policy>-every" (every request drafts in a drafted round: no choice per request). `http`: through the load test's clients and server instead of stepping the scheduler here.
     `prefix_cache_mb`: the scheduler's kept prompt prefixes (0: every prompt read whole)."""
-    parsed = PolicySpec.parse(spec.removesuffix("-plain"))
+    parsed = PolicySpec.parse(spec.removesuffix("-plain").removesuffix("-every"))
     method = parsed.method
     messages = load_messages(8)  # the load test's, in its order
     sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=parsed.policy,
                                              width=parsed.width, prefix_cache_mb=prefix_cache_mb), method)
     if spec.endswith("-plain"):
         sched.policy.should_draft = lambda *_, **__: False  # this run's policy object only
+    if spec.endswith("-every"):
+        sched.policy.drafters = lambda _batch, records: [True] * len(records)
     rounds, done = [], []
 
     def log(out) -> None:
         verified = [o for o in out.sequences if o.verified]
-        rounds.append({"decoding": len(verified), "drafted": out.draft_ms > 0, "draft_ms": round(out.draft_ms, 3),
+        rounds.append({"decoding": len(verified), "drafted": out.draft_ms > 0,
+                       "drafting": sum(o.draft_marginals is not None for o in verified), "draft_ms": round(out.draft_ms, 3),
                        "verify_ms": round(out.verify_ms, 3), "host_ms": round(out.host_ms, 3), "rows": out.packed,
                        "prefill_tokens": out.prefill_tokens, "committed": sum(o.accepted + 1 for o in verified)})
 
@@ -71,15 +74,24 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: boo
 
 
 def summary(spec: str, batch: int, requests: int, tokens: int, wall: float, rounds: list[dict]) -> dict:
-    """Rounds split by kind (prefill / drafted / plain) with their times and tokens, and the run's rate."""
+    """Rounds split by kind (prefill / drafted / plain) with their times and tokens, and the run's rate. Per kind
+    also `full`: its rounds in which all `batch` requests decoded, with their tokens per ms (drafted and plain
+    rounds of one run compared at the same batch, where the machine's speed drifts less than between runs)."""
     kinds = {}
     for r in rounds:
         kind = "prefill" if r["prefill_tokens"] else "drafted" if r["drafted"] else "plain"
         k = kinds.setdefault(kind, {"rounds": 0, "draft_ms": 0.0, "verify_ms": 0.0, "host_ms": 0.0, "committed": 0,
-                                    "prefill_tokens": 0, "rows": 0})
+                                    "prefill_tokens": 0, "rows": 0, "full": {"rounds": 0, "ms": 0.0, "committed": 0}})
         k["rounds"] += 1
         for key in ("draft_ms", "verify_ms", "host_ms", "committed", "prefill_tokens", "rows"):
             k[key] += r[key]
+        if r["decoding"] == batch:
+            full = k["full"]
+            full["rounds"] += 1
+            full["ms"] += r["draft_ms"] + r["verify_ms"] + r["host_ms"]
+            full["committed"] += r["committed"]
+    for k in kinds.values():
+        k["full"]["tokens_per_ms"] = k["full"]["committed"] / k["full"]["ms"] if k["full"]["ms"] else None
     in_rounds = sum(r["draft_ms"] + r["verify_ms"] + r["host_ms"] for r in rounds)
     return {"policy": spec, "batch": batch, "requests": requests, "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "in_rounds_ms": in_rounds,
@@ -112,7 +124,8 @@ def main(argv=None) -> int:
             print(json.dumps({k: res[k] for k in ("policy", "http", "batch", "tokens_per_s", "in_rounds_ms",
                                                    "outside_rounds_ms")}
                              | {kind: {"rounds": v["rounds"], "ms": round(v["draft_ms"] + v["verify_ms"] + v["host_ms"]),
-                                       "committed": v["committed"]} for kind, v in res["kinds"].items()}))
+                                       "committed": v["committed"], "full_tokens_per_ms": v["full"]["tokens_per_ms"]}
+                                for kind, v in res["kinds"].items()}))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # compact: every round of every run is in it
