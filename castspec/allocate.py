@@ -40,19 +40,12 @@ class Policy:
                  supports: list[torch.Tensor | None] | None = None) -> list[Tree]:
         raise NotImplementedError
 
-    def drafters(self, batch: int, records: list[Acceptance]) -> list[bool]:
-        """Which of the requests that could draft in a round of `batch` decoding requests are worth a draft, from
-        each one's record of accepted tokens (one per such request, in order). Every one, unless the policy
-        prices drafting per request."""
-        return [True] * len(records)
-
     def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False,
-                     horizon: int | None = None, drafters: int | None = None) -> bool:
-        """Whether this round of `batch` decoding requests drafts at all (a round without a draft is a plain
-        autoregressive step), for the `drafters` of them chosen by `drafters()` (None: all `batch`);
-        `context_rows`: the rows their drafter pass would also fuse (what they committed since they last drafted,
-        or their prompts); `prefilling`: the round also reads a prompt; `horizon`: the most tokens the drafting
-        requests may still commit (None: no bound known)."""
+                     horizon: int | None = None) -> bool:
+        """Whether this round, of `batch` requests that could draft, drafts at all (a round without a draft is a
+        plain autoregressive step); `context_rows`: the rows their drafter pass would also fuse (what they
+        committed since they last drafted, or their prompts); `prefilling`: the round also reads a prompt;
+        `horizon`: the most tokens those requests may still commit (None: no bound known)."""
         return True
 
     def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
@@ -149,32 +142,6 @@ PLAIN_FIRST = 3
 # drafted rounds of a batch bucket measured before their gain over plain rounds may stop drafting there: one round's
 # acceptance is a noisy sample (its requests' drafts hit or miss together)
 DRAFTED_FIRST = 3
-# A request's own record of accepted tokens (Acceptance): each drafted round, whether it drafted in it or was left
-# out, keeps this share of it, so a request left out drifts back toward the policy's estimate and drafts again
-# some rounds later; its estimate counts the policy's as this many rounds of its own.
-ACCEPT_DECAY = 0.85
-ACCEPT_PRIOR_ROUNDS = 2.0
-
-
-@dataclass
-class Acceptance:
-    """One request's drafted tokens accepted per drafted round, over its recent rounds: what the cost policy reads
-    to decide whether that request drafts under load (CostAware.drafters)."""
-
-    accepted: float = 0.0  # decayed sum of the drafted tokens it accepted
-    rounds: float = 0.0  # decayed count of its drafted rounds
-
-    def record(self, accepted: int | None) -> None:
-        """After a drafted round in which it verified: the drafted tokens it accepted, None when it was left out."""
-        self.accepted *= ACCEPT_DECAY
-        self.rounds *= ACCEPT_DECAY
-        if accepted is not None:
-            self.accepted += accepted
-            self.rounds += 1.0
-
-    def expected(self, prior: float) -> float:
-        """Tokens it is expected to accept in its next drafted round: its own mean, shrunk toward `prior`."""
-        return (ACCEPT_PRIOR_ROUNDS * prior + self.accepted) / (ACCEPT_PRIOR_ROUNDS + self.rounds)
 
 
 def _ema(old: float | None, value: float, momentum: float) -> float:
@@ -233,13 +200,6 @@ class CostAware(Policy):
     nothing of what drafting costs from then on, so that round enters no gain and the next one drafts to be
     measured. The prior counts only after PLAIN_FIRST plain rounds of the batch's bucket; no round that also
     reads a prompt drafts (it gives the policy no update, and drafting there sets requests apart).
-
-    Under load not every request's draft pays: a request whose drafts the target rarely accepts (chat, say, beside
-    code and math) adds its block to the pass and its tree to the verify for less than a plain row commits. So
-    within a drafted round only the requests whose own acceptance (`Acceptance`, kept per request) reaches the
-    profile's price of one more request's draft at that batch draft (`drafters`, `draft_price`); the others
-    verify their root alone, in the same forward. Whether the round drafts at all is then decided as above, for
-    the requests chosen, against plain rounds of the whole batch.
     """
 
     name = "cost"
@@ -269,8 +229,7 @@ class CostAware(Policy):
         self.rated = 0  # drafted request-rounds in draft_rate outside tries
         self.skipped = 0  # plain rounds since the last drafted one
         self.burst: Try | None = None  # a try that is due or running
-        self.batch = 1  # requests that drafted in the last drafted round
-        self.requests = 1  # decoding requests in the round last decided on (should_draft), drafting or not
+        self.batch = 1  # requests in the last drafted round
         self.nodes = 0  # tree nodes the last drafted round verified, over all its requests
         # per drafting request in a drafted round (EMA): tokens committed and tree nodes verified
         self.request_tokens: float | None = None
@@ -283,7 +242,6 @@ class CostAware(Policy):
         self.gains_seen: dict[int, int] = {}  # drafted rounds measured per batch bucket
         self.reached: dict[int, int] = {}  # per batch bucket: the deepest tree of its last drafted round
         self._pass_prices: dict[int, tuple[float | None, float]] = {}  # batch -> the profile's pass, context row
-        self._draft_prices: dict[tuple[int, int], float] = {}  # (batch, 4 x nodes a request) -> drafters' price
         self._context_rows = 0  # the context rows of the round last decided on (should_draft)
         self._measure_next = False  # under load: the last drafted round caught up (its gain not measured)
 
@@ -316,41 +274,7 @@ class CostAware(Policy):
         newcomer's prompt), fused once: a catch-up."""
         return (self.block_rows or int(PRIOR_TOKENS)) * batch
 
-    def drafters(self, batch: int, records: list[Acceptance]) -> list[bool]:
-        """Under load, only the requests whose own acceptance pays for their draft: a request drafts when the tokens
-        it is expected to accept a drafted round (its record, shrunk toward what drafting requests have accepted
-        per round so far) reach `draft_price`. One request alone always may (its rounds are the whole estimate)."""
-        if batch <= 1:
-            return [True] * len(records)
-        price = self.draft_price(batch)
-        prior = PRIOR_TOKENS - 1 if self.request_tokens is None else self.request_tokens - 1
-        return [r.expected(prior) >= price for r in records]
-
-    def draft_price(self, batch: int) -> float:
-        """The drafted tokens one request must accept a round for its draft to pay in a round of `batch` requests:
-        what its draft adds to the round (its share of the batched pass beyond one request's, the rows of a tree
-        of the nodes a drafting request gets, that tree's host work) in tokens of a plain round of that batch,
-        all as the profile prices them (its level can be off, its ratios less so). The pass's fixed part and
-        the round's own overhead are drafting's as a whole: the measured gains decide on those (should_draft)."""
-        nodes = PRIOR_TOKENS - 1 if self.request_nodes is None else self.request_nodes
-        key = (batch, round(4 * nodes))
-        if key not in self._draft_prices:
-            prof = self.rule.profile
-            prefix = prof.prefix_lens[0]
-            draft = self._prices(batch)[0]
-            if draft is None:
-                price = 0.0
-            else:
-                grows = max(draft - prof.draft_at(prefix), 0.0) / (batch - 1)
-                rows = max(prof.batch_verify_at(batch, batch * (1 + nodes), prefix)
-                           - prof.batch_verify_at(batch, batch, prefix), 0.0) / batch
-                host = max(prof.host_at(nodes) - prof.host_at(0), 0.0)
-                price = (grows + rows + host) * batch / max(prof.plain_round_ms(batch, prefix), 1e-6)
-            self._draft_prices[key] = price
-        return self._draft_prices[key]
-
-    def draft_could_pay(self, batch: int, context_rows: int = 0, horizon: int | None = None,
-                        drafters: int | None = None) -> bool:
+    def draft_could_pay(self, batch: int, context_rows: int = 0, horizon: int | None = None) -> bool:
         """Whether drafted rounds of `batch` requests are predicted to commit more per ms than plain ones, and the
         catch-up of this round's pass is repaid. Once drafted rounds of about this batch have been measured, their
         gain over plain rounds of the same batch decides (`gains`); before, the drafted round priced by the
@@ -362,40 +286,36 @@ class CostAware(Policy):
         where nothing prices it. The catch-up: the context rows beyond a drafted round's own (`_steady_rows`: a
         batch's first drafted round reads all its prompts), priced per row by the profile, are paid once and must
         cost no more than drafting saves over the `horizon` tokens the requests may still commit (a long prompt
-        before a short answer is not worth fusing). `drafters`: how many of the `batch` requests draft (None:
-        all); the others' rows are plain ones in the same verify."""
-        drafters = batch if drafters is None else drafters
-        draft, row_ms = self._prices(drafters)
+        before a short answer is not worth fusing)."""
+        draft, row_ms = self._prices(batch)
         gain = self.gains.get(batch_bucket(batch))
         if gain is None:
             if draft is None:
                 return True
             prof = self.rule.profile
             prefix = prof.prefix_lens[0]
-            tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * drafters) if self.request_tokens is None else \
-                (self.request_tokens, self.request_nodes * drafters)
+            tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * batch) if self.request_tokens is None else \
+                (self.request_tokens, self.request_nodes * batch)
             drafted_ms = (draft + prof.batch_verify_at(batch, batch + nodes, prefix)
                           + prof.batch_host_at(batch, nodes))
-            committed = batch + drafters * (tokens - 1)
             # both rounds as the profile prices them: its level can be off (probed in another phase of a shared
             # machine's speed), its ratios much less
-            gain = committed / max(drafted_ms, 1e-6) / self._priced_plain_rate(batch)
+            gain = batch * tokens / max(drafted_ms, 1e-6) / self._priced_plain_rate(batch)
         if gain < 1.0:
             return False
-        catch_up = max(context_rows - self._steady_rows(drafters), 0) * row_ms
+        catch_up = max(context_rows - self._steady_rows(batch), 0) * row_ms
         if not catch_up or horizon is None:
             return True
         return catch_up <= horizon / self._batch_plain_rate(batch) * (1.0 - 1.0 / gain)  # ms saved over it
 
     def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False,
-                     horizon: int | None = None, drafters: int | None = None) -> bool:
+                     horizon: int | None = None) -> bool:
         if prefilling:
             # a round that also reads a prompt costs what the prompt costs, so it tells the policy nothing of
             # drafting (run_round gives it no update): drafting there would go on the prior for good, and it sets
             # the decoding requests apart, so their successors' prompts are read in more rounds
             return False
         self._context_rows = context_rows  # what the round's pass fuses, if it drafts (update reads it)
-        self.requests = batch  # the round's decoding requests: what its rate is compared with (update)
         if self.burst is not None and (batch == 1 or self.burst.ms > 0):
             return True  # a try that is due (one request), or one that has begun
         if batch > 1:
@@ -413,7 +333,7 @@ class CostAware(Policy):
                 return True  # likewise a few drafted rounds before their gain decides
             # drafted rounds of about this batch measured against plain ones (before that the profile's price),
             # and the catch-up of the context gathered meanwhile repaid before the requests end
-            pays = self.draft_could_pay(batch, context_rows, horizon, drafters)
+            pays = self.draft_could_pay(batch, context_rows, horizon)
             if self.burst is not None:
                 # a try that is due: where drafted rounds of this batch have been measured it runs (its gap,
                 # explore_every, doubles after each try that loses, up to max_explore_loaded: a measured gain
@@ -505,21 +425,19 @@ class CostAware(Policy):
         first = self.drafted == 0
         self.drafted += self.batch
         self.skipped = 0
-        # the round's requests that did not draft committed one token each
-        plain = max(self.requests - self.batch, 0)
-        tokens, nodes = max(committed - plain, self.batch) / self.batch, self.nodes / self.batch
+        tokens, nodes = committed / self.batch, self.nodes / self.batch
         self.request_tokens = _ema(self.request_tokens, tokens, self.momentum)
         self.request_nodes = _ema(self.request_nodes, nodes, self.momentum)
-        if self.requests > 1:
+        if self.batch > 1:
             # a round whose pass caught up (fused a batch's prompts, or what its requests gathered in plain
             # rounds) costs more than drafting does from then on: not measured, and the next round drafts to be
             self._measure_next = self._context_rows > self._steady_rows(self.batch)
             if not self._measure_next:
-                key = batch_bucket(self.requests)
+                key = batch_bucket(self.batch)
                 seen = self.gains_seen.get(key, 0)
                 self.gains_seen[key] = seen + 1
                 # a plain mean of the first rounds, then the EMA
-                self.gains[key] = _ema(self.gains.get(key), rate / self._batch_plain_rate(self.requests),
+                self.gains[key] = _ema(self.gains.get(key), rate / self._batch_plain_rate(self.batch),
                                        min(self.momentum, seen / (seen + 1)))
                 if self.gains[key] >= 1.0:
                     self.explore_every = self.min_explore
@@ -548,7 +466,7 @@ class CostAware(Policy):
         if self._drafting_pays():
             self.explore_every = self.min_explore
         elif tried < self._plain_rate():  # a try that lost on its own: wait longer before the next
-            cap = self.max_explore_loaded if self.requests > 1 else self.max_explore
+            cap = self.max_explore_loaded if self.batch > 1 else self.max_explore
             self.explore_every = min(2 * self.explore_every, cap)
 
 

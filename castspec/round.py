@@ -131,8 +131,6 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
 
     t = clock()
     commit(seqs, rows, logits, feats, greedy, out.sequences, policy)
-    if drafted:
-        record_acceptance(seqs, out.sequences)
     synchronize(target.device)
     out.host_ms += (clock() - t) * 1e3
     verified = [o.accepted for o in out.sequences if o.verified]
@@ -144,19 +142,13 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
 
 def draft(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequence],
           policy: Policy | None) -> list[Marginals | None]:
-    """Step 1: one batched drafter pass for the running sequences that draft this round: those the policy
-    deems worth a draft (`Policy.drafters`), if it drafts at all (`Policy.should_draft`). Returns each sequence's
-    marginals [depth, V] with their support (None for those that do not draft)."""
+    """Step 1: one batched drafter pass for the running sequences that draft this round. Returns each
+    sequence's marginals [depth, V] with their support (None for those that do not draft)."""
     marginals: list[Marginals | None] = [None] * len(seqs)
-    could = [i for i, s in enumerate(seqs) if s.decoding and s.wants_draft()] if policy is not None else []
-    if not could:
-        return marginals
-    batch = sum(s.decoding for s in seqs)
-    drafting = [i for i, ok in zip(could, policy.drafters(batch, [seqs[i].draft.acceptance for i in could])) if ok]
-    if not drafting or not policy.should_draft(batch, sum(seqs[i].draft.pending_rows for i in drafting),
+    drafting = [i for i, s in enumerate(seqs) if s.decoding and s.wants_draft()] if policy is not None else []
+    if not drafting or not policy.should_draft(len(drafting), sum(seqs[i].draft.pending_rows for i in drafting),
                                                prefilling=any(s.reading_prompt for s in seqs),
-                                               horizon=sum(seqs[i].remaining for i in drafting),
-                                               drafters=len(drafting)):
+                                               horizon=sum(seqs[i].remaining for i in drafting)):
         return marginals
     chosen = [seqs[i] for i in drafting]
     L = drafter.cfg.num_draft_positions
@@ -263,15 +255,6 @@ def commit(seqs: list[Sequence], rows: Rows, logits: torch.Tensor, feats: torch.
             s.done = True
             o.error = e
         lrow += part.logit_rows
-
-
-def record_acceptance(seqs: list[Sequence], outs: list[SequenceOutput]) -> None:
-    """After a drafted round, what each verifying sequence that could draft accepted (None for one left out of
-    the draft). Rounds without a draft leave the records as they are: they say nothing of anyone's drafts, and a
-    run of them would otherwise wash out what the policy learned of each request."""
-    for s, o in zip(seqs, outs):
-        if o.verified and s.draft is not None:
-            s.draft.acceptance.record(o.accepted if o.draft_marginals is not None else None)
 
 
 def warm_up(target: Decoder, drafter: DFlashDrafter | None) -> None:

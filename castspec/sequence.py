@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .allocate import Acceptance
 from .config import DecodeConfig
 from .models.decoder import Decoder
 from .models.dflash import DFlashDrafter, DraftSegment
@@ -44,7 +43,6 @@ class DraftState:
         self.cache = drafter.new_cache(capacity)
         self._chunks: list[torch.Tensor] = []  # the pending features, in the order the rounds added them
         self._rows = 0  # their rows in all
-        self.acceptance = Acceptance()  # what its drafts have been accepted (the cost policy reads it under load)
 
     @property
     def pending(self) -> torch.Tensor | None:

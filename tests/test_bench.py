@@ -227,10 +227,10 @@ def test_load_rounds_benchmark_end_to_end(tmp_path, capsys):
     out = tmp_path / "load.json"
     assert load_rounds_bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                                    "--dtype", "fp32", "--batch", "2", "--requests", "3", "--max-tokens", "5",
-                                   "--policies", "ar,cost,cost-every", "--plain-too", "--http", "--repeats", "1",
+                                   "--policies", "ar,cost", "--plain-too", "--http", "--repeats", "1",
                                    "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["policy"], r["http"]) for r in results] == [(p, h) for p in ("ar", "cost", "cost-every", "cost-plain")
+    assert [(r["policy"], r["http"]) for r in results] == [(p, h) for p in ("ar", "cost", "cost-plain")
                                                            for h in (False, True)]
     for r in results:
         kinds, rounds = r["kinds"], r["rounds"]
@@ -238,7 +238,7 @@ def test_load_rounds_benchmark_end_to_end(tmp_path, capsys):
         assert all(x["decoding"] <= 2 for x in rounds) and r["tokens_per_s"] > 0
         if not r["http"]:
             assert sum(x["committed"] for x in rounds) + 3 == r["tokens"] == 15
-        assert ("drafted" in kinds) <= (r["policy"] in ("cost", "cost-every"))
+        assert ("drafted" in kinds) <= (r["policy"] == "cost")
         for name, k in kinds.items():  # the rounds in which every slot decoded, apart
             full = [x for x in rounds if x["decoding"] == 2 and name == ("prefill" if x["prefill_tokens"] else
                                                                            "drafted" if x["drafted"] else "plain")]

@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from castspec.allocate import (DRAFTED_FIRST, PLAIN_FIRST, Acceptance, Chain, CostAware, FixedWidth, PolicySpec,
-                               SharedBudget, UniformSplit, make_policy)
+from castspec.allocate import (DRAFTED_FIRST, PLAIN_FIRST, Chain, CostAware, FixedWidth, PolicySpec, SharedBudget,
+                               UniformSplit, make_policy)
 from castspec.round import run_round, warm_up
 from castspec.config import DecodeConfig
 from castspec.cost import BATCH_DRAFT_DEPTH, CostProfile, RoundWidth
@@ -387,8 +387,7 @@ def test_cost_policy_skips_tries_the_profile_prices_out_under_load(batch_draft_m
     assert policy.should_draft(1) and not policy.should_draft(16)  # under load a plain round is measured first
     plain_rounds(policy, 16, 20.0)
     assert policy.should_draft(16) == tries  # before any drafted round: PRIOR_TOKENS
-    # the acceptance is measured on rounds of 2 requests (should_draft records the round's), none of 16 yet
-    policy.batch, policy.requests, policy.nodes = 2, 2, 2
+    policy.batch, policy.nodes = 2, 2  # the acceptance is measured on rounds of 2 requests, none of 16 yet
     policy.update(3, 200.0)  # warm-up round
     policy.update(3, 300.0)
     assert policy.request_tokens == pytest.approx(1.5) and policy.request_nodes == pytest.approx(1.0)
@@ -495,7 +494,7 @@ def test_cost_policy_under_load_goes_by_drafted_rounds_measured_at_that_batch(dr
         assert policy.should_draft(16)
         policy.update(24, drafted_ms)
     assert policy.draft_could_pay(16) == drafts and policy.should_draft(12) == drafts  # 9-16 measured together
-    policy.batch = policy.requests = 1
+    policy.batch = 1
     policy.update(2, 100.0 if drafts else 2.0)  # one request's drafted rounds: far slower / faster than plain
     if drafts:  # winning at 16 it keeps drafting
         assert all(policy.should_draft(16) for _ in range(17))
@@ -509,7 +508,7 @@ def test_cost_policy_under_load_goes_by_drafted_rounds_measured_at_that_batch(dr
             policy.update(16, 20.0, drafted=False)
             gap += 1
         gaps.append(gap)
-        policy.batch = policy.requests = 16
+        policy.batch = 16
         policy.update(24, drafted_ms)  # the try loses again
     assert gaps == [4, 8, 16, 16]
 
@@ -595,8 +594,7 @@ def test_cost_policy_counts_request_rounds_under_load():
     # at 16, a try comes explore_every plain rounds later, and the gap doubles when it loses
     policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4,
                        max_explore_every=8, max_explore_loaded=8)
-    # what should_draft and allocate() record for a round of 16 drafting requests
-    policy.batch = policy.requests = 16
+    policy.batch = 16  # what allocate() records for a round of 16 drafting requests
     policy.update(16, 200.0)  # warm-up round
     policy.update(16, 400.0)  # 0.04 tokens/ms against plain rounds of 16 tokens in 10 ms
     assert not policy.should_draft(16)  # burn-in done after one round of 16: measure plain rounds
@@ -667,66 +665,3 @@ def test_the_serving_thread_warms_up_first_and_serves_even_if_that_fails(models,
     assert calls == ["castspec-scheduler"]
     assert out == ar(target, p, 12)
 
-
-def test_a_request_s_acceptance_shrinks_toward_the_policy_s_and_drifts_back_while_it_does_not_draft():
-    rec = Acceptance()
-    assert rec.expected(1.5) == 1.5  # nothing of its own yet: the policy's estimate
-    for _ in range(4):
-        rec.record(0)
-    low = rec.expected(1.5)
-    assert low < 0.6
-    for _ in range(10):
-        rec.record(None)  # rounds it did not draft
-    assert low < rec.expected(1.5) < 1.5
-    rec.record(3)
-    assert rec.expected(1.5) > 1.5
-
-
-def test_cost_policy_under_load_drafts_the_requests_whose_acceptance_pays_for_their_draft():
-    # 16 requests: a plain round 20 ms; a pass for 16 blocks 17 ms against 1 ms for one (1.07 ms more a request);
-    # a node for each request 5 ms more verify (0.31 ms a request). A request's draft must accept
-    # (1.07 + 0.31) x 16 / 20 = 1.1 tokens a round to pay for itself
-    prof = flat_profile(0.0)
-    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": 17.0}}
-    policy = CostAware(RoundWidth(prof, 15, init_throughput=None))
-    assert policy.draft_price(16) == pytest.approx((16 / 15 + 5 / 16) * 16 / 20)
-    good, poor, new = Acceptance(), Acceptance(), Acceptance()
-    for _ in range(3):
-        good.record(2)
-        poor.record(0)
-    assert policy.drafters(16, [good, poor, new]) == [True, False, False]  # a newcomer: the prior's 1 token
-    assert policy.drafters(1, [poor]) == [True]  # one request goes by its rounds' measured rates alone
-    policy.request_tokens, policy.request_nodes = 2.5, 1.0  # drafting requests have accepted 1.5 tokens a round
-    assert policy.drafters(16, [good, poor, new]) == [True, False, True]
-
-
-class Rotating(FixedWidth):
-    """A fixed-width policy that lets a different third of the requests draft each round."""
-
-    def __init__(self):
-        super().__init__(4, 3)
-        self.rounds = 0
-
-    def drafters(self, batch, records):
-        self.rounds += 1
-        return [(i + self.rounds) % 3 == 0 for i in range(len(records))]
-
-
-def test_requests_left_out_of_a_round_s_draft_decode_exactly_and_catch_up_later(models):
-    target, drafter = models
-    ps, n = prompts(4, seed=5), 30
-    truth = [ar(target, p, n) for p in ps]
-    policy = Rotating()
-    seqs = [Sequence(target, drafter, p, DecodeConfig(method="cast", max_new_tokens=n), policy.max_nodes(8))
-            for p in ps]
-    outs, mixed = [[] for _ in ps], 0
-    with torch.inference_mode():
-        while not all(s.done for s in seqs):
-            r = run_round(target, drafter, seqs, policy)
-            drafted = [o.draft_marginals is not None for o in r.sequences if o.verified]
-            mixed += any(drafted) and not all(drafted)
-            for o, out in zip(r.sequences, outs):
-                out.extend(o.emitted)
-    assert outs == truth
-    assert mixed > 5  # rounds in which some requests drafted and others did not
-    assert all(s.draft.acceptance.rounds > 0 for s in seqs)  # each drafted, after rounds it did not

@@ -33,18 +33,16 @@ from ..serving.server import create_app
 
 def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: bool = False,
         prefix_cache_mb: float = SchedulerConfig.prefix_cache_mb) -> dict:
-    """One closed loop; `spec` is a load test policy (ar, chain, cost, fixed:N, ...), "<policy>-plain" (never
-    drafts) or "<policy>-every" (every request drafts in a drafted round: no choice per request). `http`: through the load test's clients and server instead of stepping the scheduler here.
+    """One closed loop; `spec` is a load test policy (ar, chain, cost, fixed:N, ...) or "<policy>-plain" (never
+    drafts). `http`: through the load test's clients and server instead of stepping the scheduler here.
     `prefix_cache_mb`: the scheduler's kept prompt prefixes (0: every prompt read whole)."""
-    parsed = PolicySpec.parse(spec.removesuffix("-plain").removesuffix("-every"))
+    parsed = PolicySpec.parse(spec.removesuffix("-plain"))
     method = parsed.method
     messages = load_messages(8)  # the load test's, in its order
     sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=parsed.policy,
                                              width=parsed.width, prefix_cache_mb=prefix_cache_mb), method)
     if spec.endswith("-plain"):
         sched.policy.should_draft = lambda *_, **__: False  # this run's policy object only
-    if spec.endswith("-every"):
-        sched.policy.drafters = lambda _batch, records: [True] * len(records)
     rounds, done = [], []
 
     def log(out) -> None:
