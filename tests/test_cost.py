@@ -17,6 +17,7 @@ from castspec.engine import Engine
 from castspec.cli.probe import floor_table
 from castspec.floor import Floors, draft_cost, prefill_cost, verify_cost
 from castspec.probe import DRAFT_CONTEXT_ROWS, _medians_ms, plot_profile, probe, probe_batch
+from castspec.serving.scheduler import SchedulerConfig
 from conftest import llama_config, make_hf, native, random_drafter
 
 PACKED = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -296,6 +297,13 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     # a missing profile is probed once and cached for this deployment
     engine._profile = None
     assert engine.cost_profile() is not None and list(tmp_path.glob("profiles/*.json"))
+    # a scheduler's asks for batched shapes too: probed once beside it (B + 1 among them), kept in the same file
+    assert not engine.cost_profile().batch
+    sched = engine.scheduler(SchedulerConfig(max_batch=2, policy="cost"))
+    assert sched.policy.rule.profile is engine.cost_profile()
+    assert engine.cost_profile().batch["16"]["packed"][:2] == [16, 17]
+    engine._profile = None
+    assert engine.cost_profile().batch.keys() == {"2", "4", "8", "16"}  # read back from the cache
 
 
 def test_profile_key_follows_the_drafter_shape():
