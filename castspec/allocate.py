@@ -280,8 +280,8 @@ class CostAware(Policy):
         gain over plain rounds of the same batch decides (`gains`); before, the drafted round priced by the
         profile (its batched drafter pass and verify) at the acceptance drafted rounds have shown per request
         (tokens and nodes; PRIOR_TOKENS per request from PRIOR_TOKENS - 1 nodes each before any), against the
-        plain round of this batch priced by the same profile. Acceptance does not depend on the
-        batch; the cost of drafting does (a pass for 16 requests' blocks is mostly compute). Without batched
+        plain round of this batch priced by the same profile. Acceptance does not depend on the batch; the cost of
+        drafting does (a pass for 16 requests' blocks is mostly compute). Without batched
         shapes in the profile, the pass is priced from the single-request pass (CostProfile.batch_draft_at); True
         where nothing prices it. The catch-up: the context rows beyond a drafted round's own (`_steady_rows`: a
         batch's first drafted round reads all its prompts), priced per row by the profile, are paid once and must

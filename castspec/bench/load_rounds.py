@@ -6,10 +6,12 @@
 `castspec loadtest` measures goodput through HTTP; this runs the same closed loop (`--requests` requests over
 `--batch` slots, the held-out prompts in the load test's order) by stepping the scheduler itself, and splits its
 rounds by kind: rounds that also read a newcomer's prompt, drafted rounds, plain rounds. Per kind: rounds, time in
-the drafter pass / verify forward / host work, tokens committed, prompt tokens. `--plain-too` adds the cost policy
-with drafting switched off, which prices what a drafting-capable request costs when it does not draft (the
-drafter's features, its state); `--http` runs each also through the load test's own clients and server (loopback,
-the scheduler on its thread), with the same split. Runs alternate within each repeat (the machine's speed drifts).
+the drafter pass / verify forward / host work, tokens committed, prompt tokens, and the tokens per ms of its rounds
+in which every slot decoded (drafted and plain rounds of one run compared at one batch). `--plain-too` adds the
+cost policy with drafting switched off, which prices what a drafting-capable request costs when it does not draft
+(the drafter's features, its state); `--http` runs each also through the load test's own clients and server
+(loopback, the scheduler on its thread), with the same split. Runs alternate within each repeat (the machine's speed
+drifts).
 """
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: boo
     def log(out) -> None:
         verified = [o for o in out.sequences if o.verified]
         rounds.append({"decoding": len(verified), "drafted": out.draft_ms > 0,
-                       "drafting": sum(o.draft_marginals is not None for o in verified), "draft_ms": round(out.draft_ms, 3),
-                       "verify_ms": round(out.verify_ms, 3), "host_ms": round(out.host_ms, 3), "rows": out.packed,
+                       "drafting": sum(o.draft_marginals is not None for o in verified),
+                       "draft_ms": round(out.draft_ms, 3), "verify_ms": round(out.verify_ms, 3),
+                       "host_ms": round(out.host_ms, 3), "rows": out.packed,
                        "prefill_tokens": out.prefill_tokens, "committed": sum(o.accepted + 1 for o in verified)})
 
     sched.on_round = log
@@ -119,11 +122,11 @@ def main(argv=None) -> int:
         for spec, http in [(s, h) for s in specs for h in ((False, True) if args.http else (False,))]:
             res = run(engine, spec, args.batch, args.requests, args.max_tokens, http, args.prefix_cache_mb)
             results.append({"repeat": rep, **res})
+            kinds = {kind: {"rounds": v["rounds"], "ms": round(v["draft_ms"] + v["verify_ms"] + v["host_ms"]),
+                            "committed": v["committed"], "full_tokens_per_ms": v["full"]["tokens_per_ms"]}
+                     for kind, v in res["kinds"].items()}
             print(json.dumps({k: res[k] for k in ("policy", "http", "batch", "tokens_per_s", "in_rounds_ms",
-                                                   "outside_rounds_ms")}
-                             | {kind: {"rounds": v["rounds"], "ms": round(v["draft_ms"] + v["verify_ms"] + v["host_ms"]),
-                                       "committed": v["committed"], "full_tokens_per_ms": v["full"]["tokens_per_ms"]}
-                                for kind, v in res["kinds"].items()}))
+                                                   "outside_rounds_ms")} | kinds))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # compact: every round of every run is in it
