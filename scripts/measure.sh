@@ -42,3 +42,6 @@ $C sweep --n 2 --max-new-tokens 96 --widths 1,3,7,15,31,63 --resamples 500 --out
 # serving: allocation policies under fixed concurrency
 $C loadtest --policies ar,chain,fixed:7,shared:16,cost --concurrency 1,4,16 --requests 16 --max-tokens 48 \
     --out "$R"/loadtest-packed
+# serving with arrivals spread in time: Poisson arrivals above what 16 slots serve, so the batch stays near full
+# and no two requests start together (the closed test above starts and ends its requests in step)
+$C loadtest --policies ar,cost --concurrency 16 --requests 112 --max-tokens 48 --rate 28 --out "$R"/loadtest-open
