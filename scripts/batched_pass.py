@@ -2,7 +2,11 @@
 timed right after the batch's verify as rounds run it, and that verify (B requests x 2 rows): medians (ms) over
 REPS passes, one JSON line per repeat.
 
-    python scripts/batched_pass.py [--batch 16] [--depths 7,2,1] [--prefix 128] [--reps 9] [--repeats 3]
+    python scripts/batched_pass.py [--batch 16] [--depths 7,2,1] [--prefix 128] [--context 3] [--reps 9]
+        [--repeats 3]
+
+--context: the new context rows each request's pass fuses (3 as a round that drafted the round before; up to
+--prefix as a catch-up, whose pass fuses what its requests gathered since they last drafted, their prompts at first).
 
 Runs with any checkout's Python (`PYTHONPATH=<its root> python scripts/batched_pass.py`), so that a checkout from
 before a change can be timed in turn with one after it. Nothing else should run meanwhile.
@@ -29,6 +33,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--depths", default="7,2,1")
     p.add_argument("--prefix", type=int, default=128)
+    p.add_argument("--context", type=int, default=CONTEXT, help="new context rows a request's pass fuses")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
@@ -37,6 +42,8 @@ def main() -> None:
     L, g, logprobs = _draft_shape(drafter, target.cfg.vocab_size, 0)
     depths = [min(int(d), L) for d in args.depths.split(",")]
     B, V = args.batch, target.cfg.vocab_size
+    if not 1 <= args.context <= args.prefix:
+        raise SystemExit("--context must be between 1 and --prefix")
     with torch.inference_mode():
         seqs = [Sequence(target, drafter, torch.randint(0, V, (args.prefix,), generator=g).tolist(),
                          DecodeConfig(method="cast", max_new_tokens=2), 16) for _ in range(B)]
@@ -53,14 +60,14 @@ def main() -> None:
         def pass_at(depth: int):
             def draft():
                 for st, c, end in zip(states, pending, ends):
-                    st.cache.length = end - CONTEXT
-                    st.pending = c[:, -CONTEXT:]
+                    st.cache.length = end - args.context
+                    st.pending = c[:, -args.context:]
                 propose_batch(target, drafter, states, roots, [depth] * B)
             return draft
 
         for repeat in range(args.repeats):
             ms = _medians_ms([pass_at(d) for d in depths] + [verify], args.reps, 2, target.device, verify)
-            print(json.dumps({"repeat": repeat, "batch": B, "prefix": args.prefix,
+            print(json.dumps({"repeat": repeat, "batch": B, "prefix": args.prefix, "context": args.context,
                               "pass_ms": {str(d): round(m, 3) for d, m in zip(depths, ms)},
                               "verify_ms": round(ms[-1], 3)}), flush=True)
 

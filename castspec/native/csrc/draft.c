@@ -38,20 +38,28 @@ typedef struct {
     int64_t *ctx_slot, *blk_slot;                            /* [C] [T]: its cache slot */
 } DraftScratch;
 
+/* Each buffer holds the rows that use it: all C + T for the fused context and the q|k|v product, the block's T
+ * for the rest (attention, the MLP and the residual run on block rows only). A pass that fuses many context rows
+ * (a catch-up: a batch's prompts) then asks for a third of what sizing every buffer for C + T rows did, and stays
+ * below the size past which malloc maps fresh pages for each call (whose faults took a fifth of such a pass). */
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
 static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16, DraftScratch *s) {
     const StepModel *m = &dm->base;
     const int H = m->hidden, nq = m->heads * m->head_dim, qkv = nq + 2 * m->kv_heads * m->head_dim, F = m->inter;
-    const int rows = C + T, wide = 2 * F > qkv ? 2 * F : qkv; /* wide: the widest activation row */
-    const int in = wide > dm->fc_in ? wide : dm->fc_in;                  /* the widest product input */
+    const int rows = C + T;
     const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
-    const int64_t io = GEMM_ROWS(rows) * (in > H ? in : H);
+    /* the products' inputs: fc over the context (fc_in wide), q|k|v over all rows (H), and over the block's rows
+     * the output projection (nq), the MLP's gate|up (H) and down (F) */
+    const int64_t block_in = max3(nq, F, H);
+    const int64_t io = max3(GEMM_ROWS(C) * dm->fc_in, GEMM_ROWS(rows) * H, GEMM_ROWS(T) * block_in);
     s->see = take(a, sizeof(RowAttn) * T);
-    s->x = take(a, f * rows * H);
+    s->x = take(a, f * T * H);
     s->ctx = take(a, f * rows * H);
-    s->n = take(a, f * rows * H);
-    s->proj = take(a, f * rows * wide);
-    s->act = take(a, f * rows * F);
-    s->heads_out = take(a, f * rows * nq);
+    s->n = take(a, f * (C > T ? C : T) * H);  /* fc's output, then attention's and the MLP's */
+    s->proj = take(a, f * max3((int64_t)rows * qkv, (int64_t)T * 2 * F, 0));  /* q|k|v, then gate|up */
+    s->act = take(a, f * T * F);
+    s->heads_out = take(a, f * T * nq);
     s->probs = take(a, f * ATTN_PROBS(m, S16));
     s->xs = take(a, esz * io);
     s->ctx_seg = take(a, sizeof(int32_t) * C);
