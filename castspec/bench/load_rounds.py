@@ -74,6 +74,11 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: boo
     return summary(spec, batch, requests, requests * max_tokens, wall, rounds)
 
 
+def round_ms(r: dict) -> float:
+    """A logged round's time: its drafter pass, verify forward and host work."""
+    return r["draft_ms"] + r["verify_ms"] + r["host_ms"]
+
+
 def summary(spec: str, batch: int, requests: int, tokens: int, wall: float, rounds: list[dict]) -> dict:
     """Rounds split by kind (prefill / drafted / plain) with their times and tokens, and the run's rate. Per kind
     also `full`: its rounds in which all `batch` requests decoded, with their tokens per ms (drafted and plain
@@ -89,11 +94,11 @@ def summary(spec: str, batch: int, requests: int, tokens: int, wall: float, roun
         if r["decoding"] == batch:
             full = k["full"]
             full["rounds"] += 1
-            full["ms"] += r["draft_ms"] + r["verify_ms"] + r["host_ms"]
+            full["ms"] += round_ms(r)
             full["committed"] += r["committed"]
     for k in kinds.values():
         k["full"]["tokens_per_ms"] = k["full"]["committed"] / k["full"]["ms"] if k["full"]["ms"] else None
-    in_rounds = sum(r["draft_ms"] + r["verify_ms"] + r["host_ms"] for r in rounds)
+    in_rounds = sum(round_ms(r) for r in rounds)
     return {"policy": spec, "batch": batch, "requests": requests, "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "in_rounds_ms": in_rounds,
             "outside_rounds_ms": wall * 1e3 - in_rounds, "http": False, "kinds": kinds, "rounds": rounds}
@@ -122,7 +127,7 @@ def main(argv=None) -> int:
         for spec, http in [(s, h) for s in specs for h in ((False, True) if args.http else (False,))]:
             res = run(engine, spec, args.batch, args.requests, args.max_tokens, http, args.prefix_cache_mb)
             results.append({"repeat": rep, **res})
-            kinds = {kind: {"rounds": v["rounds"], "ms": round(v["draft_ms"] + v["verify_ms"] + v["host_ms"]),
+            kinds = {kind: {"rounds": v["rounds"], "ms": round(round_ms(v)),
                             "committed": v["committed"], "full_tokens_per_ms": v["full"]["tokens_per_ms"]}
                      for kind, v in res["kinds"].items()}
             print(json.dumps({k: res[k] for k in ("policy", "http", "batch", "tokens_per_s", "in_rounds_ms",

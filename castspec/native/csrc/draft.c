@@ -42,7 +42,7 @@ typedef struct {
  * for the rest (attention, the MLP and the residual run on block rows only). A pass that fuses many context rows
  * (a catch-up: a batch's prompts) then asks for a third of what sizing every buffer for C + T rows did, and stays
  * below the size past which malloc maps fresh pages for each call (whose faults took a fifth of such a pass). */
-static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16, DraftScratch *s) {
     const StepModel *m = &dm->base;
@@ -51,13 +51,13 @@ static void draft_scratch(Arena *a, const DraftModel *dm, int C, int T, int S16,
     const size_t f = sizeof(float), esz = m->bf16 ? 2 : 4;
     /* the products' inputs: fc over the context (fc_in wide), q|k|v over all rows (H), and over the block's rows
      * the output projection (nq), the MLP's gate|up (H) and down (F) */
-    const int64_t block_in = max3(nq, F, H);
-    const int64_t io = max3(GEMM_ROWS(C) * dm->fc_in, GEMM_ROWS(rows) * H, GEMM_ROWS(T) * block_in);
+    const int64_t block_in = max64(nq, max64(F, H));
+    const int64_t io = max64(GEMM_ROWS(C) * dm->fc_in, max64(GEMM_ROWS(rows) * H, GEMM_ROWS(T) * block_in));
     s->see = take(a, sizeof(RowAttn) * T);
     s->x = take(a, f * T * H);
     s->ctx = take(a, f * rows * H);
-    s->n = take(a, f * (C > T ? C : T) * H);  /* fc's output, then attention's and the MLP's */
-    s->proj = take(a, f * max3((int64_t)rows * qkv, (int64_t)T * 2 * F, 0));  /* q|k|v, then gate|up */
+    s->n = take(a, f * max64(C, T) * H);  /* fc's output, then attention's and the MLP's */
+    s->proj = take(a, f * max64((int64_t)rows * qkv, (int64_t)T * 2 * F));  /* q|k|v, then gate|up */
     s->act = take(a, f * T * F);
     s->heads_out = take(a, f * T * nq);
     s->probs = take(a, f * ATTN_PROBS(m, S16));
