@@ -1,4 +1,4 @@
-"""The C library's interface as Python sees it: the structs shared with csrc/ (ctypes mirrors of layer.h's Layer,
+"""The C library's interface as Python sees it: the structs shared with csrc/ (ctypes mirrors of model.h's Layer,
 Int8Weight and StepModel, step.c's Segment, draft.c's DraftModel and DraftSegment) and the exported functions'
 signatures.
 

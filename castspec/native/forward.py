@@ -62,13 +62,13 @@ def _packed(keep: _Kept, w: torch.Tensor) -> int:
 
 
 def _packed_int8(keep: _Kept, w: torch.Tensor) -> int:
-    """The address of layer.h's Int8Weight for a weight matrix quantized and packed for gemm.c's int8 products."""
+    """The address of model.h's Int8Weight for a weight matrix quantized and packed for gemm.c's int8 products."""
     panels, scales, sums = pack_int8(w)
     return keep.struct(Int8Weight(keep(panels), keep(scales), keep(sums)))
 
 
 def _layer_array(layers, keep: _Kept, packed=_packed):
-    """layer.h's Layer structs for decoder or drafter layers (both have the HF layer's submodules), with the
+    """model.h's Layer structs for decoder or drafter layers (both have the HF layer's submodules), with the
     matrices packed by `packed`."""
     out = (Layer * len(layers))()
     for i, layer in enumerate(layers):

@@ -70,6 +70,7 @@ typedef struct {
 #ifdef CASTSPEC_AVX512
 
 #include "amx.h"
+#include "model.h"
 #include "share.h"
 
 /* How many leading keys of a row are slots 0, 1, 2, ...: its list ascends through distinct slots, so keys[j] ==

@@ -26,7 +26,7 @@ typedef struct {
 /* The sizes of the structs castspec/native/abi.py mirrors, compared with its own when the library loads. */
 const int64_t castspec_sizeof_DraftModel = sizeof(DraftModel), castspec_sizeof_DraftSegment = sizeof(DraftSegment);
 
-/* What draft_block works in, all from one Arena (see layer.h); `rows` is the context and block rows together
+/* What draft_block works in, all from one Arena (see model.h); `rows` is the context and block rows together
  * (ctx holds the fused context rows and then the block's normed rows: one product of every layer's q|k|v weights
  * for both). */
 typedef struct {

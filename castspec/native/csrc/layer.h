@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "model.h"
 #include "simd.h"
 
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy);
@@ -32,30 +33,6 @@ int gemm_amx_on(void);
 void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X, const float *xscale,
                  float *Y, int M, int O, int I, int ldx, int ldy);
 
-/* Per-layer tensors; a NULL bias or q/k norm is absent. Same field order as native/abi.py's Layer. */
-typedef struct {
-    const void *attn_norm, *qkv_w, *qkv_b, *o_w, *o_b, *q_norm, *k_norm, *mlp_norm, *gate_up_w, *gate_up_b,
-        *down_w, *down_b;
-} Layer;
-
-/* A weight matrix in int8 (a drafter's, where the CPU has AMX-INT8 or AVX-512 VNNI): packed panels, one fp32
- * scale and one sum of int8 weights per output column (native/pack.py's pack_int8). Same layout as native/abi.py's
- * Int8Weight. */
-typedef struct {
-    const int8_t *panels;
-    const float *scales;
-    const int32_t *sums;
-} Int8Weight;
-
-/* i8: the layers' matrices are Int8Weights (a bf16 model's otherwise: norms, caches and attention stay bf16). */
-typedef struct {
-    int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, bf16, i8;
-    float eps;
-    const void *embed, *final_norm, *head; /* embed [vocab, hidden]; head = lm_head or the tied embedding */
-    const float *cos, *sin;                /* RoPE tables [positions, head_dim] in fp32 whatever the model's
-                                              dtype, sin with rotate-half's sign */
-    const Layer *layer;
-} StepModel;
 
 /* All of it sixteen lanes at a time, `k` masking the lanes of a row's last partial vector (simd.h's lanes). */
 
@@ -97,8 +74,6 @@ static void to_model(const float *x, uint16_t *out, int64_t n) {
         _mm256_mask_storeu_epi16(out + i, k, narrow(_mm512_maskz_loadu_ps(k, x + i)));
     }
 }
-
-static __m512 exp16(__m512 x);
 
 /* out = w * rms_norm(x), all in fp32 (the weight widened from the model's dtype). */
 static void rms_norm(const StepModel *m, const float *x, const void *w, int n, float *out) {
@@ -243,23 +218,6 @@ static inline __m512 hsum16(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-/* exp on sixteen lanes (Cody-Waite range reduction and Cephes' expf polynomial, within 2 ulp of expf);
- * inputs below -87 (masked scores) give ~1e-38, which callers zero. */
-static __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* The values' weighted sum for H heads over one block of C vectors (16 * C output lanes from i0): each head's
  * accumulators run key by key in order, exactly as for that head alone; the heads share each value row's loads
@@ -433,41 +391,7 @@ static void write_kv(const StepModel *m, void *K, void *V, int64_t head_stride, 
     }
 }
 
-/* What one row attends over at the current layer: its cache ([kv_heads, capacity, head_dim] from K and V, the
- * model's dtype) at the n slots keys[0..n), ascending (keys NULL: slots [0, n)). */
-typedef struct {
-    const void *K, *V;
-    int64_t head_stride; /* capacity * head_dim */
-    int n;
-    const int32_t *keys;
-} RowAttn;
 
-/* A forward's scratch: one allocation, handed out by `take`. A forward lays its buffers out in one function
- * that takes them all from an Arena, and ARENA_LAYOUT runs it twice: first on an empty arena to measure (take
- * returns NULL and only counts), then on one block of the measured size. The total is thus the sum of what is
- * taken, by construction. */
-typedef struct {
-    char *base;  /* NULL while measuring */
-    size_t used; /* bytes taken so far, each piece rounded up to 64 (cache-line aligned) */
-} Arena;
-
-static void *take(Arena *a, size_t bytes) {
-    void *p = a->base ? a->base + a->used : NULL;
-    a->used += (bytes + 63) & ~(size_t)63;
-    return p;
-}
-
-/* After a measuring pass over `a`: allocates what it counted and rewinds, for the taking pass. Returns 0, or
- * -1 when out of memory. */
-static int arena_open(Arena *a) {
-    a->base = aligned_alloc(64, a->used ? a->used : 64);
-    a->used = 0;
-    return a->base ? 0 : -1;
-}
-
-/* `layout`, a call taking every buffer of a forward from `arena` (a fresh Arena), run to measure and then to
- * take from one allocation: 0, or -1 when out of memory. Free arena.base when done. */
-#define ARENA_LAYOUT(arena, layout) ((layout), arena_open(&(arena)) ? -1 : ((layout), 0))
 
 #include "attn_amx.h"
 

@@ -26,7 +26,7 @@ typedef struct {
 const int64_t castspec_sizeof_Layer = sizeof(Layer), castspec_sizeof_StepModel = sizeof(StepModel),
               castspec_sizeof_Segment = sizeof(Segment), castspec_sizeof_Int8Weight = sizeof(Int8Weight);
 
-/* What forward_rows works in, all from one Arena (see layer.h). */
+/* What forward_rows works in, all from one Arena (see model.h). */
 typedef struct {
     RowAttn *see;                                       /* [M] */
     int32_t *keys, *nkeys;                              /* [M, Smax] [M]: masked rows' visible slots, counts */
