@@ -276,17 +276,16 @@ class CostAware(Policy):
 
     def draft_could_pay(self, batch: int, context_rows: int = 0, horizon: int | None = None) -> bool:
         """Whether drafted rounds of `batch` requests are predicted to commit more per ms than plain ones, and the
-        catch-up of this round's pass is repaid. Once drafted rounds of about this batch have been measured, their
-        gain over plain rounds of the same batch decides (`gains`); before, the drafted round priced by the
-        profile (its batched drafter pass and verify) at the acceptance drafted rounds have shown per request
-        (tokens and nodes; PRIOR_TOKENS per request from PRIOR_TOKENS - 1 nodes each before any), against the
-        plain round of this batch priced by the same profile. Acceptance does not depend on the batch; the cost of
-        drafting does (a pass for 16 requests' blocks is mostly compute). Without batched
-        shapes in the profile, the pass is priced from the single-request pass (CostProfile.batch_draft_at); True
-        where nothing prices it. The catch-up: the context rows beyond a drafted round's own (`_steady_rows`: a
-        batch's first drafted round reads all its prompts), priced per row by the profile, are paid once and must
-        cost no more than drafting saves over the `horizon` tokens the requests may still commit (a long prompt
-        before a short answer is not worth fusing)."""
+        catch-up of this round's pass is repaid. Once drafted rounds of about this batch have been measured, their gain
+        over plain rounds of the same batch decides (`gains`); before, the drafted round priced by the profile (its
+        batched drafter pass and verify) at the acceptance drafted rounds have shown per request (tokens and nodes;
+        PRIOR_TOKENS per request from PRIOR_TOKENS - 1 nodes each before any), against the plain round of this batch
+        priced by the same profile. Acceptance does not depend on the batch; the cost of drafting does (a pass for 16
+        requests' blocks is mostly compute). Without batched shapes in the profile, the pass is priced from the
+        single-request pass (CostProfile.batch_draft_at); True where nothing prices it. The catch-up: the context rows
+        beyond a drafted round's own (`_steady_rows`: a batch's first drafted round reads all its prompts), priced per
+        row by the profile, are paid once and must cost no more than drafting saves over the `horizon` tokens the
+        requests may still commit (a long prompt before a short answer is not worth fusing)."""
         draft, row_ms = self._prices(batch)
         gain = self.gains.get(batch_bucket(batch))
         if gain is None:

@@ -33,7 +33,6 @@ int gemm_amx_on(void);
 void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X, const float *xscale,
                  float *Y, int M, int O, int I, int ldx, int ldy);
 
-
 /* All of it sixteen lanes at a time, `k` masking the lanes of a row's last partial vector (simd.h's lanes). */
 
 /* Sixteen elements of a weight (model dtype) from element i, as fp32. */
@@ -218,7 +217,6 @@ static inline __m512 hsum16(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-
 /* The values' weighted sum for H heads over one block of C vectors (16 * C output lanes from i0): each head's
  * accumulators run key by key in order, exactly as for that head alone; the heads share each value row's loads
  * and their independent chains keep the FMA units busy. H and C are constants at every call site. */
@@ -390,8 +388,6 @@ static void write_kv(const StepModel *m, void *K, void *V, int64_t head_stride, 
         }
     }
 }
-
-
 
 #include "attn_amx.h"
 
