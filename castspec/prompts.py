@@ -7,6 +7,7 @@
 - topics: instructions from our own seed topics x instruction templates
 - instructions: role play, reasoning puzzles, extraction, comparisons, plans and constrained writing from our
   own templates (`instruction_tasks`; make-data --prompts instructions)
+- self: chat prompts the target writes itself (`train.datagen.self_written_prompts`; make-data --prompts self)
 - follow-ups: a second user turn of our own (shorten it, give an example, test the code, check the sum, ...)
   after the target's answer to any of the above (`follow_ups`: multi-turn training data)
 
@@ -357,6 +358,8 @@ def training_prompts(num_math: int = 1500, seed: int = 0) -> list[Prompt]:
 
 
 INSTRUCTIONS_PER_SEED = 3000
+SELF_WRITTEN = "self"  # make-data's family of prompts the target writes (it needs the model, so it is not below)
+SELF_WRITTEN_PER_SEED = 3000
 # make-data's prompt families (--prompts), each drawn with a seed
 PROMPT_FAMILIES = {"training": lambda seed: training_prompts(seed=seed),
                    "instructions": lambda seed: instruction_tasks(INSTRUCTIONS_PER_SEED, seed)}

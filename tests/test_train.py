@@ -12,8 +12,9 @@ from castspec.models.load import load_drafter
 from castspec.train.blocks import (block_inputs, block_mask, chain_acceptance, parse_window_schedule, teacher_rows,
     window_at)
 from castspec.prompts import FOLLOW_UPS, FOLLOW_UPS_ANY, Prompt, follow_ups
-from castspec.train.datagen import (DataGenConfig, answered_prompts, batched_generate, encode_prompt, generate_dataset,
-    load_records, shard_files)
+from castspec.sampling import mix_seed
+from castspec.train.datagen import (PROMPTS_FILE, DataGenConfig, answered_prompts, batched_generate, encode_prompt,
+    generate_dataset, load_prompts, load_records, self_written_prompts, shard_files)
 from castspec.train.diagnose import diagnose, ngram_baselines
 from castspec.train.replay import committed_per_round, replay_r, walk
 from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
@@ -467,6 +468,46 @@ def test_dataset_shards_do_not_depend_on_grouping_parts_or_resume(tmp_path):
     assert make(tmp_path / "parts", 2, parts=((1, 2), (0, 2))) == one
     shard_files(tmp_path / "grouped")[1].unlink()
     assert make(tmp_path / "grouped", 3) == one
+
+
+def test_self_written_prompts_are_the_targets_whole_distinct_user_turns(tmp_path):
+    # the target continues its template where a user's text begins; kept: turns it ended itself, 3+ words, distinct
+    target = native(make_hf(llama_config(vocab=24), seed=1))
+    tok = tiny_tokenizer(24)
+    prompts = self_written_prompts(target, tok, 40, seed=4, stop_ids={0}, temperature=1.0, max_tokens=8, batch_size=7)
+    assert prompts == self_written_prompts(target, tok, 40, seed=4, stop_ids={0}, temperature=1.0, max_tokens=8)
+    assert prompts != self_written_prompts(target, tok, 40, seed=5, stop_ids={0}, temperature=1.0, max_tokens=8)
+    start = tok("<user>", add_special_tokens=False)["input_ids"]
+    raw = [batched_generate(target, [start], 8, {0}, 1.0, seeds=[mix_seed(4, k)])[0] for k in range(40)]
+    whole = [(k, tok.decode(ids, skip_special_tokens=True).strip()) for k, ids in enumerate(raw) if ids[-1] == 0]
+    expect, seen = [], set()
+    for k, text in whole:
+        if len(text.split()) >= 3 and text.lower() not in seen:
+            seen.add(text.lower())
+            expect.append((f"self/4/{k}", text))
+    assert 0 < len(expect) < 40 and len(whole) < 40  # some turns were cut off, some kept
+    assert [(p.id, p.text) for p in prompts] == expect
+    assert all(p.domain == "chat" and p.source == "self" and p.chat for p in prompts)
+
+
+def test_make_data_self_written_prompts_are_kept_and_followed_up(tmp_path, capsys):
+    # make-data --prompts self draws once into OUT/prompts.jsonl; a rerun resumes on the same prompts, and
+    # --follow-up continues the conversations from that file
+    target = tmp_path / "target"
+    make_hf(llama_config(vocab=24), seed=1).save_pretrained(target)
+    tiny_tokenizer(24).save_pretrained(target)
+    args = ["--target", str(target), "--dtype", "fp32", "--max-new-tokens", "6", "--batch-size", "4", "--seed", "2"]
+    assert main(["make-data", "--out", str(tmp_path / "d"), "--prompts", "self", "--max-prompts", "30"] + args) == 0
+    kept = load_prompts(tmp_path / "d" / PROMPTS_FILE)
+    records = load_records(tmp_path / "d")
+    assert 0 < len(kept) <= 30 and [r["id"] for r in records] == [p.id for p in kept]
+    shard_files(tmp_path / "d")[0].unlink()
+    assert main(["make-data", "--out", str(tmp_path / "d"), "--prompts", "self", "--max-prompts", "30"] + args) == 0
+    assert load_prompts(tmp_path / "d" / PROMPTS_FILE) == kept and load_records(tmp_path / "d") == records
+    assert main(["make-data", "--out", str(tmp_path / "f"), "--follow-up", str(tmp_path / "d")] + args) == 0
+    second = load_records(tmp_path / "f")
+    assert [r["id"].rsplit("/", 2)[0] for r in second] == [p.id for p in kept]
+    capsys.readouterr()
 
 
 def test_follow_up_data_continues_the_conversation_after_the_datasets_own_answers(tmp_path):

@@ -9,10 +9,10 @@ import torch
 
 from ..engine import DTYPES
 from ..models.load import load_drafter, load_target, rope_parameters_of
-from ..prompts import PROMPT_FAMILIES, follow_ups, heldout_prompts, prompt_family
+from ..prompts import PROMPT_FAMILIES, SELF_WRITTEN, SELF_WRITTEN_PER_SEED, follow_ups, heldout_prompts, prompt_family
 from ..train.blocks import parse_window_schedule
-from ..train.datagen import (DataGenConfig, answered_prompts, batched_generate, encode_chat, generate_dataset,
-    load_records, shard_files)
+from ..train.datagen import (PROMPTS_FILE, DataGenConfig, answered_prompts, batched_generate, encode_chat,
+    generate_dataset, load_prompts, load_records, save_prompts, self_written_prompts, shard_files)
 from ..train.distributed import join, launched, launcher_part, leave
 from ..train.replay import replay_r
 from ..train.trainer import TrainConfig, TrainError, train
@@ -123,16 +123,24 @@ def _make_data(args, loaded) -> dict:
     cfg = DataGenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         temperature=args.temperature, seed=args.seed, dtype=args.dtype, prompts=args.prompts)
     stop = set(loaded.model.cfg.eos_token_ids) | {loaded.tokenizer.eos_token_id}
-    prompts = _datagen_prompts(args, loaded.tokenizer)
+    prompts = _datagen_prompts(args, loaded, stop)
     if args.max_prompts:
         prompts = prompts[:args.max_prompts]
     return generate_dataset(loaded.model, loaded.tokenizer, prompts, Path(args.out_data), cfg, stop,
                             args.limit_tokens, part=_part(args.part))
 
 
-def _datagen_prompts(args, tokenizer) -> list:
-    """make-data's prompts: the training prompts (or with --prompts instructions, the instruction tasks) drawn
-    with --seed, or with --follow-up DIR a second turn of our own after each answer in that dataset."""
+def _datagen_prompts(args, loaded, stop: set[int]) -> list:
+    """make-data's prompts: the prompt family --prompts drawn with --seed, or with --follow-up DIR a second turn of
+    our own after each answer in that dataset. Self-written prompts are drawn once (--max-prompts draws, or
+    SELF_WRITTEN_PER_SEED) and kept in the dataset's PROMPTS_FILE, which reruns read."""
+    tokenizer = loaded.tokenizer
+    if not args.follow_up and args.prompts == SELF_WRITTEN:
+        path = Path(args.out_data) / PROMPTS_FILE
+        if not path.exists():
+            save_prompts(path, self_written_prompts(loaded.model, tokenizer, args.max_prompts or SELF_WRITTEN_PER_SEED,
+                                                    args.seed, stop, batch_size=args.batch_size))
+        return load_prompts(path)
     if not args.follow_up:
         return prompt_family(args.prompts, args.seed)
     source = Path(args.follow_up)
@@ -219,9 +227,10 @@ def _add_datagen_args(p) -> None:
     p.add_argument("--batch-size", type=int, default=24)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts", default="training", choices=PROMPT_FAMILIES,
+    p.add_argument("--prompts", default="training", choices=(*PROMPT_FAMILIES, SELF_WRITTEN),
                    help="training: every offline source but the held-out split; instructions: role play, "
-                        "puzzles, extraction, comparisons, plans, constrained writing (castspec/prompts.py)")
+                        "puzzles, extraction, comparisons, plans, constrained writing (castspec/prompts.py); self: "
+                        "chat prompts the target writes itself, kept in OUT/prompts.jsonl")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     p.add_argument("--follow-up", default=None, metavar="DIR",
                    help="multi-turn data: the prompts are a second user turn of our own after each of the "

@@ -17,8 +17,9 @@ from tqdm import tqdm
 from ..config import DecodeConfig
 from ..decode import raise_error
 from ..models.decoder import Decoder
-from ..prompts import Prompt, prompt_family
+from ..prompts import SELF_WRITTEN, Prompt, prompt_family
 from ..round import run_round
+from ..sampling import mix_seed
 from ..sequence import Sequence
 
 
@@ -87,6 +88,45 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     for turn, answer in zip(prompt.earlier_turns, prompt.earlier_answers):
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
     return encode_messages(tokenizer, messages + [{"role": "user", "content": prompt.text}])
+
+
+# the sentinel a chat template is applied to, to find where a user's text begins
+_USER_TEXT = "\x00user text\x00"
+PROMPTS_FILE = "prompts.jsonl"  # the prompts a dataset of self-written ones was made from
+
+
+def self_written_prompts(target: Decoder, tokenizer, count: int, seed: int, stop_ids: set[int],
+                         temperature: float = 0.8, max_tokens: int = 96, batch_size: int = 24) -> list[Prompt]:
+    """Chat prompts the target writes itself: given only its chat template up to where a user's text begins, an
+    instruction-tuned model writes a user's turn like those of the conversations it was tuned on (the Magpie
+    recipe, Xu et al. 2024), so the prompts follow the kinds of request its users make rather than our templates.
+    `count` draws sampled at `temperature` (seeded by `seed` and the draw); kept: the distinct ones (case aside)
+    that end their turn at a stop id within `max_tokens` and have at least three words, each where first drawn."""
+    template = tokenizer.apply_chat_template([{"role": "user", "content": _USER_TEXT}], tokenize=False)
+    start = tokenizer(template[:template.index(_USER_TEXT)], add_special_tokens=False)["input_ids"]
+    turns = batched_generate(target, [list(start)] * count, max_tokens, stop_ids, temperature,
+                             seeds=[mix_seed(seed, k) for k in range(count)], batch_size=batch_size)
+    out, seen = [], set()
+    for k, ids in enumerate(turns):
+        if not ids or ids[-1] not in stop_ids:
+            continue  # cut off at max_tokens: not a whole turn
+        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        if len(text.split()) >= 3 and text.lower() not in seen:
+            seen.add(text.lower())
+            out.append(Prompt("chat", SELF_WRITTEN, text, f"{SELF_WRITTEN}/{seed}/{k}"))
+    return out
+
+
+def save_prompts(path: Path, prompts: list[Prompt]) -> None:
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
+    os.replace(tmp, path)
+
+
+def load_prompts(path: Path) -> list[Prompt]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [Prompt(**{**r, "earlier_turns": tuple(r["earlier_turns"]), "earlier_answers": tuple(r["earlier_answers"])})
+            for r in rows]
 
 
 def shard_path(out_dir: Path, index: int) -> Path:
@@ -159,11 +199,14 @@ def dataset_summary(data_dir: Path) -> dict:
 
 def answered_prompts(data_dir: Path, tokenizer, prompts: list[Prompt] | None = None) -> list[tuple[Prompt, str]]:
     """The prompts a make-data dataset answered, each with the target's answer as text, in the dataset's order.
-    `prompts` holds them (default: the prompt family and seed in the dataset's datagen.json)."""
+    `prompts` holds them (default: the prompt family and seed in the dataset's datagen.json, or for self-written
+    prompts the dataset's PROMPTS_FILE)."""
     data_dir = Path(data_dir)
     if prompts is None:
         config = json.loads((data_dir / "datagen.json").read_text())["config"]
-        prompts = prompt_family(config.get("prompts", "training"), config["seed"])
+        family = config.get("prompts", "training")
+        prompts = load_prompts(data_dir / PROMPTS_FILE) if family == SELF_WRITTEN else \
+            prompt_family(family, config["seed"])
     by_id = {p.id: p for p in prompts}
     out = []
     for r in load_records(data_dir):
