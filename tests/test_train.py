@@ -158,6 +158,34 @@ def test_training_on_a_draft_vocabulary_ignores_other_tokens_and_ships_it(tiny_d
         train(target, records, tmp_path / "bad", tiny_config(draft_vocab=str(tmp_path)), ROPE, progress=False)
 
 
+@pytest.mark.parametrize("nb", [3, 5, 8])
+def test_block_rows_attending_in_groups_equal_all_rows_over_all_keys(tiny_data, nb):
+    # training's grouped attention (DraftSegment.group_rows) skips only keys the block mask hides: the hidden
+    # states and the gradients equal the pass over every key, with whole groups, a partial last one, or one group
+    target, _ = tiny_data
+    drafter = init_drafter(target, drafter_config_for(target, tiny_config(block_size=4), ROPE), from_target=False, seed=0)
+    T, bs, H = 30, 4, target.cfg.hidden_size
+    gen = torch.Generator().manual_seed(nb)
+    anchors = torch.sort(torch.randperm(T - 10, generator=gen)[:nb] + 8).values
+    mask = block_mask(anchors, T, bs, window=6).view(1, 1, -1, T + nb * bs)
+    emb = torch.randn(1, nb * bs, H, generator=gen)
+    pos = torch.randint(0, T, (1, nb * bs), generator=gen)
+    feats = torch.randn(1, T, len(drafter.cfg.target_layer_ids) * H, generator=gen)
+
+    def run(group_rows):
+        drafter.zero_grad()
+        out = drafter(emb, pos, feats, torch.arange(T).view(1, -1), mask=mask, group_rows=group_rows)
+        out.pow(2).sum().backward()
+        return out.detach(), [p.grad.clone() for p in drafter.parameters()]
+
+    dense, dense_grads = run(0)
+    for group_rows in (bs, 2 * bs, 3 * bs):
+        grouped, grads = run(group_rows)
+        torch.testing.assert_close(grouped, dense, rtol=1e-5, atol=1e-5)
+        for g, ref in zip(grads, dense_grads):
+            torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_every_drafter_parameter_gets_a_gradient(tiny_data):
     # The fused q|k|v and gate|up matrices alias the named Parameters; a forward that used the fused tensor
     # directly left those Parameters without gradients (they never trained) while the loss still fell.
@@ -194,6 +222,9 @@ def test_teacher_distributions_line_up_with_the_labels(tiny_data):
         assert teacher.shape == (*labels.shape, 32)
         assert torch.equal(teacher.argmax(-1)[labels >= 0], labels[labels >= 0]) and (labels >= 0).any()
         assert torch.allclose(teacher.logsumexp(-1), torch.zeros(labels.shape), atol=1e-5)
+        even = torch.arange(0, 32, 2)  # over a draft vocabulary: the same distributions, renormalized over it
+        _, on_even = target_pass(target, tokens, [0, 2], teacher_rows(anchors, bs, tokens.numel()), even)
+        torch.testing.assert_close(on_even, torch.log_softmax(teacher[..., even], dim=-1), atol=1e-5, rtol=1e-5)
 
 
 def test_kl_loss_mixes_linearly_with_cross_entropy_and_trains(tiny_data, tmp_path):

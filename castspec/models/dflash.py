@@ -37,6 +37,41 @@ class DraftSegment:
     ctx_length: int
     block_length: int
     mask: torch.Tensor | None = None
+    # training: where `mask` lets no block row see block rows outside its own group of this many (whole blocks), the
+    # rows attend group by group, each group over the context and its own rows only (0: all rows over all keys)
+    group_rows: int = 0
+
+
+def grouped_attention(attn, q, kc, vc, kb, vb, mask: torch.Tensor, rows: int) -> torch.Tensor:
+    """attn.sdpa of block rows q [1,h,Q,d] over [context kc/vc [1,kv,T,d], block rows kb/vb [1,kv,Q,d]] under
+    `mask` [1,1,Q,T+Q], for a mask under which each group of `rows` block rows sees no block row of another
+    group (DraftSegment.group_rows): every group runs over the context and its own rows only, so the keys of
+    other groups (all masked: most of a training pass's keys) are never scored. Whole groups go in one batched
+    call, a last partial group in another."""
+    Q, T = q.shape[2], kc.shape[2]
+    whole = Q - Q % rows
+    parts = [(0, Q // rows, rows), (whole, 1, Q - whole)]
+    outs = [_attend_groups(attn, q, kc, vc, kb, vb, mask, start, count, size)
+            for start, count, size in parts if count and size]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _attend_groups(attn, q, kc, vc, kb, vb, mask, start: int, count: int, size: int) -> torch.Tensor:
+    """grouped_attention's `count` groups of `size` block rows from row `start`, as a batch of `count`."""
+    T, d = kc.shape[2], q.shape[3]
+    rows = slice(start, start + count * size)
+
+    def split(x):  # [1, heads, Q, d] -> [count, heads, size, d]
+        return x[0, :, rows].reshape(x.shape[1], count, size, d).transpose(0, 1)
+
+    m = mask[0, 0, rows]
+    each = torch.arange(count)
+    own = m[:, T + start:T + start + count * size].reshape(count, size, count, size)[each, :, each, :]
+    group_mask = torch.cat([m[:, :T].reshape(count, size, T), own], dim=-1).unsqueeze(1)
+    k = torch.cat([kc.expand(count, -1, -1, -1), split(kb)], dim=2)
+    v = torch.cat([vc.expand(count, -1, -1, -1), split(vb)], dim=2)
+    out = attn.sdpa(split(q), k, v, group_mask)
+    return out.transpose(0, 1).reshape(1, q.shape[1], count * size, d)
 
 
 class DrafterLayer(nn.Module):
@@ -60,9 +95,13 @@ class DrafterLayer(nn.Module):
             kc, vc = k_ctx[:, :, c0:c1], v_ctx[:, :, c0:c1]
             if seg.cache is not None:
                 kc, vc = seg.cache.write(layer, kc, vc, seg.start)
-            k = torch.cat([kc, k_blk[:, :, b0:b1]], dim=2)
-            v = torch.cat([vc, v_blk[:, :, b0:b1]], dim=2)
-            outs.append(attn.sdpa(q[:, :, b0:b1], k, v, seg.mask))
+            if seg.group_rows:
+                outs.append(grouped_attention(attn, q[:, :, b0:b1], kc, vc, k_blk[:, :, b0:b1], v_blk[:, :, b0:b1],
+                                              seg.mask, seg.group_rows))
+            else:
+                k = torch.cat([kc, k_blk[:, :, b0:b1]], dim=2)
+                v = torch.cat([vc, v_blk[:, :, b0:b1]], dim=2)
+                outs.append(attn.sdpa(q[:, :, b0:b1], k, v, seg.mask))
             c0, b0 = c1, b1
         x = x + attn.output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -193,14 +232,14 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,
                 ctx_pos: torch.Tensor, cache: KVCache | None = None, start: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, group_rows: int = 0) -> torch.Tensor:
         """Returns the final-normed hidden states of every block row [B,T,H] (apply the target's lm_head).
 
         With a cache, `features` are the context rows not yet cached (written at slots [start, start+C)) and
         the block sees every cached row. The block's own keys are never cached: the next round's context is
         whatever the target commits.
         """
-        seg = DraftSegment(cache, start, features.shape[1], block_emb.shape[1], mask)
+        seg = DraftSegment(cache, start, features.shape[1], block_emb.shape[1], mask, group_rows)
         return self.forward_segments(block_emb, block_pos, features, ctx_pos, [seg])
 
     def forward_segments(self, block_emb: torch.Tensor, block_pos: torch.Tensor, features: torch.Tensor,

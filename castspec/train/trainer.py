@@ -32,6 +32,9 @@ from .blocks import (block_inputs, block_mask, chain_acceptance, decay_weights, 
 from .distributed import Ranks
 
 log = logging.getLogger("castspec.train")
+# a sequence's block rows attend in groups of this many blocks, each group over the context and its own rows
+# (DraftSegment.group_rows): the other blocks' keys, which the block mask hides, are then never scored
+ATTENTION_GROUP_BLOCKS = 8
 
 
 class TrainError(RuntimeError):
@@ -234,38 +237,37 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors
     bs = drafter.cfg.block_size
     rows = teacher_rows(anchors, bs, T) if cfg.kl_weight > 0 else None
     with torch.no_grad():
-        feats, teacher = target_pass(target, tokens, drafter.cfg.target_layer_ids, rows)
+        feats, teacher = target_pass(target, tokens, drafter.cfg.target_layer_ids, rows, drafter.draft_vocab)
     ids, pos, labels = block_inputs(tokens, anchors, bs, drafter.cfg.mask_token_id, loss_mask)
     head = drafter.vocab_head(target)
     if drafter.draft_vocab is not None:
-        labels, teacher = on_draft_vocab(drafter.draft_vocab, target.cfg.vocab_size, labels, teacher)
+        labels = on_draft_vocab(drafter.draft_vocab, target.cfg.vocab_size, labels)
     mask = block_mask(anchors, T, bs, window).view(1, 1, -1, T + ids.numel())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
         emb = target.embed(ids.view(1, -1)).float()
-        hidden = (model or drafter)(emb, pos.view(1, -1), feats.float(), torch.arange(T).view(1, -1), mask=mask)
+        hidden = (model or drafter)(emb, pos.view(1, -1), feats.float(), torch.arange(T).view(1, -1), mask=mask,
+                                    group_rows=ATTENTION_GROUP_BLOCKS * bs)
         hidden = hidden.view(anchors.numel(), bs, -1)[:, 1:]
         logits = F.linear(hidden, head.to(hidden.dtype)).float()
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                         reduction="none").view(labels.shape)
+    # one log-softmax for both terms; a position without a label (-100) weighs nothing
+    logp = F.log_softmax(logits, dim=-1)
+    ce = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     w = weights.view(1, -1) * (labels >= 0)
     if teacher is not None:
-        kl = F.kl_div(F.log_softmax(logits, dim=-1), teacher, log_target=True, reduction="none").sum(-1)
+        kl = (teacher.exp() * (teacher - logp)).sum(-1)  # KL(target || drafter), the target's log-probs given
         ce = (1 - cfg.kl_weight) * ce + cfg.kl_weight * kl
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
     acc = chain_acceptance(logits.argmax(-1), labels)
     return loss, acc.float().mean().item()
 
 
-def on_draft_vocab(vocab: torch.Tensor, vocab_size: int, labels: torch.Tensor, teacher: torch.Tensor | None):
-    """The labels as indices into a draft vocabulary (sorted token ids [S]; -100 outside it) and the teacher's
-    log-probabilities renormalized over it: the loss's targets for the head rows `DFlashDrafter.vocab_head`."""
+def on_draft_vocab(vocab: torch.Tensor, vocab_size: int, labels: torch.Tensor) -> torch.Tensor:
+    """The labels as indices into a draft vocabulary (sorted token ids [S]; -100 outside it): the loss's targets
+    for the head rows `DFlashDrafter.vocab_head` (the teacher comes over the same vocabulary from target_pass)."""
     vocab = vocab.cpu()
     index = torch.full((vocab_size,), -100, dtype=torch.long)
     index[vocab] = torch.arange(vocab.numel())
-    labels = torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
-    if teacher is not None:
-        teacher = torch.log_softmax(teacher[..., vocab], dim=-1)
-    return labels, teacher
+    return torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
 
 
 def target_features(target: Decoder, tokens: torch.Tensor, taps: list[int]) -> torch.Tensor:
@@ -273,11 +275,12 @@ def target_features(target: Decoder, tokens: torch.Tensor, taps: list[int]) -> t
     return target_pass(target, tokens, taps)[0]
 
 
-def target_pass(target: Decoder, tokens: torch.Tensor, taps: list[int],
-                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def target_pass(target: Decoder, tokens: torch.Tensor, taps: list[int], rows: torch.Tensor | None = None,
+                vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's tapped features of the sequence [1, T, taps * hidden] and, for `rows` [nb, L] (teacher_rows),
-    its next-token log-probabilities there [nb, L, vocab] (None without rows). The same forward gives both:
-    only the distinct rows' logits are computed."""
+    its next-token log-probabilities there [nb, L, vocab] (None without rows), over the draft vocabulary `vocab`
+    (sorted token ids) where one is given, renormalized over it. The same forward gives both: only the distinct
+    rows' logits are computed, and they are cut to the draft vocabulary before they are spread over the rows."""
     T = tokens.numel()
     cache = target.new_cache(T)
     distinct, where = (rows.unique(return_inverse=True) if rows is not None else (None, None))
@@ -287,8 +290,12 @@ def target_pass(target: Decoder, tokens: torch.Tensor, taps: list[int],
                                taps=tuple(taps))
         teacher = None
         if rows is not None:
-            teacher = F.log_softmax(logits.reshape(distinct.numel(), -1).float(), dim=-1)[where.to(logits.device)]
-    return feats.clone(), None if teacher is None else teacher.cpu().clone()
+            logits = logits.reshape(distinct.numel(), -1)
+            if vocab is not None:
+                logits = logits.index_select(-1, vocab.to(logits.device))
+            teacher = F.log_softmax(logits.float(), dim=-1).cpu()
+    # clones leave inference mode: the loss saves the teacher for its backward
+    return feats.clone(), None if teacher is None else teacher.clone()[where]
 
 
 @dataclass
