@@ -254,7 +254,7 @@ def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors
     ce = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     w = weights.view(1, -1) * (labels >= 0)
     if teacher is not None:
-        kl = (teacher.exp() * (teacher - logp)).sum(-1)  # KL(target || drafter), the target's log-probs given
+        kl = (teacher.exp() * (teacher - logp)).sum(-1)  # KL(target || drafter) from both log-probabilities
         ce = (1 - cfg.kl_weight) * ce + cfg.kl_weight * kl
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
     acc = chain_acceptance(logits.argmax(-1), labels)
