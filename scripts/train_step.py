@@ -36,8 +36,10 @@ def leg(steps: int) -> TrainConfig:
                        init_from=SHIPPED, kl_weight=0.5, draft_vocab=SHIPPED, gamma=3.0)
 
 
-train(loaded.model, records, Path(tempfile.mkdtemp()), leg(args.warm), rope, progress=False)
-start = time.perf_counter()
-train(loaded.model, records, Path(tempfile.mkdtemp()), leg(args.steps), rope, progress=False)
-print(json.dumps({"s_per_step": (time.perf_counter() - start) / args.steps, "steps": args.steps,
+with tempfile.TemporaryDirectory() as runs:  # each leg's last checkpoint and export, removed after
+    train(loaded.model, records, Path(runs) / "warm", leg(args.warm), rope, progress=False)
+    start = time.perf_counter()
+    train(loaded.model, records, Path(runs) / "timed", leg(args.steps), rope, progress=False)
+    elapsed = time.perf_counter() - start
+print(json.dumps({"s_per_step": elapsed / args.steps, "steps": args.steps,
                   "records": len(records), "data": args.data}))

@@ -48,7 +48,7 @@ def grouped_attention(attn, q, kc, vc, kb, vb, mask: torch.Tensor, rows: int) ->
     group (DraftSegment.group_rows): every group runs over the context and its own rows only, so the keys of
     other groups (all masked: most of a training pass's keys) are never scored. Whole groups go in one batched
     call, a last partial group in another."""
-    Q, T = q.shape[2], kc.shape[2]
+    Q = q.shape[2]
     whole = Q - Q % rows
     parts = [(0, Q // rows, rows), (whole, 1, Q - whole)]
     outs = [_attend_groups(attn, q, kc, vc, kb, vb, mask, start, count, size)
