@@ -115,7 +115,7 @@ def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, ou
     g = torch.Generator().manual_seed(outputs)
     w = torch.randn(outputs, inner, generator=g).to(dtype)
     x = torch.randn(70, inner, generator=g).to(dtype)
-    packed = pack_panels(w)
+    packed = pack_panels(w, lib.gemm_panel_group())
     out = _gemm(lib, packed, x, outputs)
     assert out[:, outputs:].isnan().all()
     torch.testing.assert_close(out[:, :outputs], x.double() @ w.double().T, rtol=1e-5, atol=1e-4,
@@ -123,13 +123,24 @@ def test_packed_products_match_torch_and_ignore_other_rows(lib, tiles, dtype, ou
     for first, rows in [(0, 1), (5, 1), (3, 2), (9, 7), (1, 13), (40, 30), (2, 40), (0, 64)]:
         part = _gemm(lib, packed, x[first:first + rows].contiguous(), outputs)
         assert torch.equal(part[:, :outputs], out[first:first + rows, :outputs]), (first, rows)
-    # the packed layout keeps whole panels of rows in place: draft.c multiplies by a slice of them
-    tail = _gemm(lib, pack_panels(w[16:]), x[:3].contiguous(), outputs - 16)[:, :outputs - 16]
-    assert torch.equal(_gemm(lib, packed[1:], x[:3].contiguous(), outputs - 16)[:, :outputs - 16], tail)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_bf16_panels_interleave_in_groups(group):
+    """The bf16 layout: element [g, p, j, c, k] is weight row 16 * (g * group + j) + c, input 2 * p + k, and zero
+    past the weight's rows (up to whole groups of panels); fp32 panels are never grouped."""
+    w = torch.randn(37, 6).to(torch.bfloat16)
+    packed = pack_panels(w, group)
+    groups = -(-37 // (16 * group))
+    assert packed.shape == (groups, 3, group, 16, 2)
+    for g, p, j, c, k in [(0, 0, 0, 0, 0), (0, 2, group - 1, 5, 1), (groups - 1, 1, group - 1, 15, 0)]:
+        row = 16 * (g * group + j) + c
+        assert packed[g, p, j, c, k] == (w[row, 2 * p + k] if row < 37 else 0)
+    assert torch.equal(pack_panels(w.float(), group), pack_panels(w.float()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 20, 40])  # on AMX: one group, a pair, more than a pair
+@pytest.mark.parametrize("rows", [1, 12, 20, 40])  # AVX-512: one group, a pair; on AMX: one group, a pair, more
 def test_products_are_the_same_bits_whatever_the_threads(lib, tiles, dtype, rows):
     """The threads split the panels by taking units from shares (csrc/share.h), so which thread computes a panel
     varies from call to call: every panel is computed exactly once, to the same bits, with 1, 2, 3 or 5 threads
@@ -137,7 +148,7 @@ def test_products_are_the_same_bits_whatever_the_threads(lib, tiles, dtype, rows
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(520, 576, generator=g).to(dtype)  # 33 panels (a partial one): units of 4 and 8 end unevenly
     x = torch.randn(rows, 576, generator=g).to(dtype)
-    packed = pack_panels(w)
+    packed = pack_panels(w, lib.gemm_panel_group())
     before = torch.get_num_threads()
     try:
         outs = []

@@ -38,7 +38,7 @@ def step_matrices(target) -> list[torch.Tensor]:
 def _gemm_call(lib, w: torch.Tensor, rows: int) -> Callable[[], None]:
     """A closure running gemm.c's product of `rows` random rows by w (packed here), as layer.h calls it: inputs in
     the weight's dtype, padded with zero rows to a multiple of 16, fp32 sums out."""
-    packed = pack_panels(w.detach())
+    packed = pack_panels(w.detach(), lib.gemm_panel_group())
     O, I = w.shape
     x = torch.zeros(-(-rows // 16) * 16, I, dtype=w.dtype)
     x[:rows] = torch.randn(rows, I).to(w.dtype)

@@ -55,6 +55,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "gemm_f32": ([_P] * 3 + [_I] * 5, None),
     "gemm_use_amx": ([_I], _I),
     "gemm_amx_on": ([], _I),
+    "gemm_panel_group": ([], _I),
     "gemm_i8_f32": ([_P] * 6 + [_I] * 5, None),
     "forward_rows": ([_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P], _I),
     "draft_block": ([_P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P], _I),

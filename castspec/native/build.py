@@ -252,6 +252,13 @@ def library():
     return lib
 
 
+def panel_group() -> int:
+    """Panels per group of the bf16 layout the loaded library's products read (native/pack.py): 1 where none
+    loads."""
+    lib = library()
+    return lib.gemm_panel_group() if lib is not None else 1
+
+
 def library_key() -> str | None:
     """The key of the library library() loads (a hash of its sources, flags, build and compiler), None where none
     loads: what it computes changes with it, so measurements of its speed (cost profiles) keep it."""

@@ -58,7 +58,7 @@ class _Kept:
 
 def _packed(keep: _Kept, w: torch.Tensor) -> int:
     """The address of a weight matrix packed for csrc/gemm.c (the packed copy kept alive)."""
-    return keep(pack_panels(w))
+    return keep(pack_panels(w, native.panel_group()))
 
 
 def _packed_int8(keep: _Kept, w: torch.Tensor) -> int:

@@ -150,9 +150,9 @@ class PanelPack:
         self._packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = weight_key(weight)
+        key = (weight_key(weight), native.panel_group())
         if key != self._key:
-            self._packed, self._key = pack_panels(weight.detach()), key
+            self._packed, self._key = pack_panels(weight.detach(), key[1]), key
         return self._packed
 
 

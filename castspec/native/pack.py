@@ -1,10 +1,10 @@
 """Weights in the layout csrc/gemm.c reads: panels of 16 output columns, packed once when the native forwards are
 built (native/forward.py), beside the model's own weights (which the torch forward keeps using).
 
-bf16 [O, I] -> [ceil(O/16), I/2, 16, 2]: per panel and pair of inputs, the 16 columns' two weights side by side,
-as VDPBF16PS multiplies them. fp32 [O, I] -> [ceil(O/16), I, 16]. Missing columns of the last panel are zeros.
-A slice of whole panels of the packed tensor is the packed slice of the weight (draft.c takes the k|v rows of a
-fused q|k|v matrix that way): rows [16a, 16b) of W start at element 16a * I of either layout.
+bf16 [O, I] -> [ceil(O/16/G), I/2, G, 16, 2]: per group of G panels and pair of inputs, each panel's 16 columns'
+two weights side by side, as VDPBF16PS multiplies them, the group's panels one after another (so that a tile of G
+panels reads one stream of lines); G is the library's `gemm_panel_group()` (1 where it uses AMX tiles). fp32
+[O, I] -> [ceil(O/16), I, 16]. Missing columns of the last panel (and bf16 panels of the last group) are zeros.
 
 int8 (a drafter's weights where the CPU has AMX-INT8 or AVX-512 VNNI, native/forward.py): each output column
 scaled by max |w| / 127 and rounded, [ceil(O/16), I/4, 16, 4] (the quads of inputs TDPBSSD and VPDPBUSD multiply,
@@ -22,18 +22,21 @@ def packable(w: torch.Tensor) -> bool:
     return w.dim() == 2 and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0))
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """The packed copy of w [O, I] (a new contiguous tensor; w is not changed)."""
+def pack_panels(w: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """The packed copy of w [O, I] (a new contiguous tensor; w is not changed), bf16 panels in groups of `group`
+    (the library's gemm_panel_group(); fp32 panels are never grouped)."""
     if not packable(w):
         raise ValueError(f"cannot pack a {w.dtype} weight of shape {tuple(w.shape)}")
     O, I = w.shape
-    panels = -(-O // PANEL)
+    if w.dtype == torch.float32:
+        group = 1
+    groups = -(-O // (PANEL * group))
     with torch.no_grad():
-        padded = torch.zeros(panels * PANEL, I, dtype=w.dtype)
+        padded = torch.zeros(groups * group * PANEL, I, dtype=w.dtype)
         padded[:O] = w
         if w.dtype == torch.bfloat16:
-            return padded.view(panels, PANEL, I // 2, 2).permute(0, 2, 1, 3).contiguous()
-        return padded.view(panels, PANEL, I).permute(0, 2, 1).contiguous()
+            return padded.view(groups, group, PANEL, I // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+        return padded.view(groups, PANEL, I).permute(0, 2, 1).contiguous()
 
 
 INT8_INPUTS = 64  # an int8 product's input width is a multiple of this (one AMX tile row of int8)

@@ -10,9 +10,12 @@
  * compute (PRODUCT) so that the stream and the dot products overlap.
  *
  * Packed layouts (16 = output columns of a panel, lanes of a vector):
- *   bf16: [O/16][I/2][16][2], the k-pairs VDPBF16PS consumes (input I even);
+ *   bf16: [O/16/G][I/2][G][16][2], the k-pairs VDPBF16PS consumes (input I even), panels interleaved in groups
+ *         of G = gemm_panel_group(): a tile's G panels are one stream of whole 64-byte lines along I, not G
+ *         streams, and on the EPYC tuned for that alone made products of 1-8 rows 10-20% faster
+ *         (docs/performance.md); G = 1 (plain panels) where AMX tiles read them (1 KiB blocks of one panel);
  *   fp32: [O/16][I][16].
- * O is padded to whole panels with zero columns, which are computed and never stored.
+ * O is padded to whole panels (and bf16 panels to whole groups) with zero columns, computed and never stored.
  *
  * Every output is computed by the same instructions in the same order whatever M is, wherever the row sits in
  * the call and whichever tile or thread computes it: along I in order (bf16: in chunks of KCHUNK pairs, each
@@ -37,7 +40,15 @@
  * all of I lost accuracy against fp32 (greedy agreement, docs/performance.md). */
 #define KCHUNK 16
 #define BLOCK 24 /* most panels per block when several row groups share it: a multiple of every tile width below */
-#define UNIT 8   /* panels a thread takes at a time when one row group passes over them (share.h) */
+/* Panels per group of the bf16 layout on AVX-512 tiles, whose 8-row tiles are 3 panels wide (the AVX2 build keeps
+ * plain panels: its tiles are 1-4 panels wide, and it was not measured interleaved). */
+#ifdef CASTSPEC_AVX2
+#define PANEL_GROUP 1
+#define UNIT 8 /* panels a thread takes at a time when one row group passes over them (share.h) */
+#else
+#define PANEL_GROUP 3
+#define UNIT 6 /* two groups */
+#endif
 /* Products of at least PREFETCH_MIN_ROWS rows fetch each weight line PREFETCH_LINES steps along I ahead: their
  * compute per line is long enough that the hardware prefetcher falls behind (docs/performance.md). With several
  * row groups, blocks hold at most BLOCK_BYTES of weights, so that the block being multiplied and the next one fit
@@ -70,9 +81,9 @@
 #define BLOCK_BYTES (192 * 1024)
 #endif
 
-/* What a tile fetches beside its loads (see PRODUCT): with `ahead`, the weight line `ahead` lines further along
- * its panel, into L1; with `next`, on every `every`-th step from step `phase`, the line `next` elements on (the
- * same line of the block its thread multiplies next), into L2. */
+/* What a tile fetches beside its loads (see PRODUCT): with `ahead`, the weight line `ahead` steps further along
+ * I, into L1; with `next`, on every `every`-th step from step `phase`, the line `next` elements on (the same line
+ * of the block its thread multiplies next), into L2. */
 typedef struct {
     int ahead;
     int64_t next;
@@ -87,42 +98,70 @@ static inline __attribute__((always_inline)) int fetch_next_now(const Fetch *f, 
     return now;
 }
 
-static inline __attribute__((always_inline)) void fetch_lines(const Fetch *f, const void *line, size_t esz, int now) {
-    if (f->ahead) _mm_prefetch((const char *)line + (int64_t)f->ahead * 64, PREFETCH_HINT);
+/* step: bytes from one step along I to the next (a line, or a group's lines). */
+static inline __attribute__((always_inline)) void fetch_lines(const Fetch *f, const void *line, size_t esz,
+                                                              int64_t step, int now) {
+    if (f->ahead) _mm_prefetch((const char *)line + f->ahead * step, PREFETCH_HINT);
     if (now) _mm_prefetch((const char *)line + f->next * (int64_t)esz, _MM_HINT_T1);
 }
 
-/* One tile: R rows x NB panels along all of I, both constants at every call site (the accumulators stay in
- * registers); each step along I loads one 64-byte line per panel. */
-static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, int64_t pstride, int I2,
-                                                            const uint32_t *X, int64_t ldx2, int R, int NB,
-                                                            float *Y, int64_t ldy, int64_t valid, Fetch f) {
-    int countdown = f.phase;
-    for (int p0 = 0; p0 < I2; p0 += KCHUNK) { /* each chunk sums from zero and is added to Y in order */
-        const int pe = I2 - p0 < KCHUNK ? I2 : p0 + KCHUNK;
-        __m512 acc[MAX_R][8];
-        UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
-            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-        for (int p = p0; p < pe; ++p) {
-            __m512bh w[8];
-            const int now = fetch_next_now(&f, &countdown);
-            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
-                const uint16_t *line = P + b * pstride + (int64_t)p * 32;
-                w[b] = AS_BH(_mm512_loadu_si512(line));
-                fetch_lines(&f, line, sizeof(uint16_t), now);
-            }
-            UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
-                const __m512bh x = AS_BH(_mm512_set1_epi32((int)X[r * ldx2 + p]));
-                UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], x, w[b]);
-            }
+/* Where panel q of a bf16 matrix packed in groups of G panels (pstride elements a panel) starts: its first
+ * k-pair's line; its next k-pair's is 32 * G elements on. */
+static inline const uint16_t *panel_at(const uint16_t *P, int64_t q, int64_t pstride, int G) {
+    return P + q / G * G * pstride + q % G * 32;
+}
+
+/* Steps [p0, pe) of one chunk of a tile of R rows x NB panels (the panels' first lines in `panel`, `step`
+ * elements from one step to the next): the sums from zero, then stored into Y (the first chunk, p0 = 0) or added
+ * to it. R and NB are constants at every call site (the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void chunk_bf16(const uint16_t *const *panel, int64_t step, int p0,
+                                                             int pe, const uint32_t *X, int64_t ldx2, int R, int NB,
+                                                             float *Y, int64_t ldy, int64_t valid, const Fetch *f,
+                                                             int *countdown) {
+    __m512 acc[MAX_R][8];
+    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int p = p0; p < pe; ++p) {
+        __m512bh w[8];
+        const int now = fetch_next_now(f, countdown);
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
+            const uint16_t *line = panel[b] + p * step;
+            w[b] = AS_BH(_mm512_loadu_si512(line));
+            fetch_lines(f, line, sizeof(uint16_t), step * 2, now);
         }
-        UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
-            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
-                if (valid > 16 * b) {
-                    const __mmask16 k = lanes(valid, 16 * b);
-                    float *y = Y + r * ldy + 16 * b;
-                    _mm512_mask_storeu_ps(y, k, p0 ? _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), acc[r][b]) : acc[r][b]);
-                }
+        UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
+            const __m512bh x = AS_BH(_mm512_set1_epi32((int)X[r * ldx2 + p]));
+            UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], x, w[b]);
+        }
+    }
+    UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
+        UNROLL_LOOP(8) for (int b = 0; b < NB; ++b)
+            if (valid > 16 * b) {
+                const __mmask16 k = lanes(valid, 16 * b);
+                float *y = Y + r * ldy + 16 * b;
+                _mm512_mask_storeu_ps(y, k, p0 ? _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), acc[r][b]) : acc[r][b]);
+            }
+}
+
+/* One tile: R rows x NB panels (panels q0 on of P, packed in groups of G) along all of I, in chunks of KCHUNK
+ * k-pairs (each summed from zero and added to Y in order); each step loads one 64-byte line per panel. With R2 > 0
+ * a second group of R2 rows (X and Y MAX_R rows on) takes every chunk right after the first, from L1: for 9-16
+ * rows the weights then stream from memory in one pass of one group's pattern, which on the EPYC tuned for
+ * measured faster than a second group passing over each block from L2 (docs/performance.md). */
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, int64_t q0, int G, int64_t pstride,
+                                                            int I2, const uint32_t *X, int64_t ldx2, int R, int R2,
+                                                            int NB, float *Y, int64_t ldy, int64_t valid, Fetch f) {
+    const int64_t step = 32 * (int64_t)G; /* elements */
+    const uint16_t *panel[8];
+    UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) panel[b] = panel_at(P, q0 + b, pstride, G);
+    const Fetch none = {0, 0, 1, 0};
+    int countdown = f.phase, unused = 0;
+    for (int p0 = 0; p0 < I2; p0 += KCHUNK) {
+        const int pe = I2 - p0 < KCHUNK ? I2 : p0 + KCHUNK;
+        chunk_bf16(panel, step, p0, pe, X, ldx2, R, NB, Y, ldy, valid, &f, &countdown);
+        if (R2)
+            chunk_bf16(panel, step, p0, pe, X + MAX_R * ldx2, ldx2, R2, NB, Y + MAX_R * ldy, ldy, valid, &none,
+                       &unused);
     }
 }
 
@@ -152,7 +191,7 @@ static inline __attribute__((always_inline)) void tile_bf16_avx2(const uint16_t 
                     we[b][h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
                     wo[b][h] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
                 }
-                fetch_lines(&f, line, sizeof(uint16_t), now);
+                fetch_lines(&f, line, sizeof(uint16_t), 64, now);
             }
             UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
                 const __m256 xe = _mm256_broadcast_ss(XW + r * ldx + 2 * p);
@@ -187,7 +226,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *P, int64
         UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
             const float *line = P + b * pstride + (int64_t)i * 16;
             w[b] = _mm512_loadu_ps(line);
-            fetch_lines(&f, line, sizeof(float), now);
+            fetch_lines(&f, line, sizeof(float), 64, now);
         }
         UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
             const __m512 x = _mm512_set1_ps(X[r * ldx + i]);
@@ -227,7 +266,7 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
         UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
             const int8_t *line = P + b * pstride + (int64_t)p * 64;
             w[b] = _mm512_loadu_si512(line);
-            fetch_lines(&f, line, 1, now);
+            fetch_lines(&f, line, 1, 64, now);
         }
         UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
             const __m512i x = _mm512_xor_si512(_mm512_set1_epi32(X[r * ldx4 + p]), flip);
@@ -269,17 +308,18 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
     default: SWEEP(TILE, 1, 4); break;     \
     }
 #else
-/* Tile widths per row count: 16-24 accumulators, plus the panel vectors and one broadcast, in 32 registers. */
+/* Tile widths per row count: up to 24 accumulators, plus the panel vectors and one broadcast, in 32 registers;
+ * whole groups of PANEL_GROUP panels. */
 #define ROWS(TILE, R)                      \
     switch (R) {                           \
     case 8: SWEEP(TILE, 8, 3); break;      \
     case 7: SWEEP(TILE, 7, 3); break;      \
-    case 6: SWEEP(TILE, 6, 4); break;      \
-    case 5: SWEEP(TILE, 5, 4); break;      \
+    case 6: SWEEP(TILE, 6, 3); break;      \
+    case 5: SWEEP(TILE, 5, 3); break;      \
     case 4: SWEEP(TILE, 4, 6); break;      \
     case 3: SWEEP(TILE, 3, 6); break;      \
-    case 2: SWEEP(TILE, 2, 8); break;      \
-    default: SWEEP(TILE, 1, 8); break;     \
+    case 2: SWEEP(TILE, 2, 6); break;      \
+    default: SWEEP(TILE, 1, 6); break;     \
     }
 #endif
 
@@ -290,9 +330,12 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
  * of its share), so that the stream overlaps all of the compute, and blocks are smaller (BLOCK_BYTES). The order
  * of work changes no bits: every output sums the same steps in the same order. TILE(R, NB, b) sees blk, m0,
  * fetch. */
-#define PRODUCT(TILE, panel_bytes)                                                                        \
-    const int panels = (O + 15) / 16, groups = (M + MAX_R - 1) / MAX_R;                                   \
-    const int ahead = M >= PREFETCH_MIN_ROWS ? PREFETCH_LINES : 0;                                        \
+#define PRODUCT(TILE, panel_bytes) PRODUCT_ROWS(TILE, panel_bytes, M, ROWS)
+/* PRODUCT as if the product had MR rows, its groups' tiles chosen by WIDTHS(TILE, R) (gemm_bf16_f32's pairs pass
+ * as one group of MAX_R). */
+#define PRODUCT_ROWS(TILE, panel_bytes, MR, WIDTHS)                                                       \
+    const int panels = (O + 15) / 16, groups = ((MR) + MAX_R - 1) / MAX_R;                                \
+    const int ahead = (MR) >= PREFETCH_MIN_ROWS ? PREFETCH_LINES : 0;                                     \
     int block = UNIT;                                                                                     \
     if (groups > 1) {                                                                                     \
         block = (int)(BLOCK_BYTES / (panel_bytes)) / 3 * 3; /* whole 8-row tiles */                       \
@@ -307,13 +350,13 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
             const int np = panels - blk < block ? panels - blk : block;                                   \
             const int64_t next = FETCH_NEXT && groups > 1 && blk + block < panels ? (int64_t)block * pstride : 0; \
             for (int g = 0; g < groups; ++g) {                                                            \
-                const int m0 = g * MAX_R, R = M - m0 < MAX_R ? M - m0 : MAX_R;                            \
+                const int m0 = g * MAX_R, R = (MR) - m0 < MAX_R ? (MR) - m0 : MAX_R;                      \
                 if ((g == 0 && ahead) || next) {                                                          \
                     const Fetch fetch = {g == 0 ? ahead : 0, next, groups, g};                            \
-                    ROWS(TILE, R)                                                                         \
+                    WIDTHS(TILE, R)                                                                       \
                 } else { /* a copy without the fetches' tests (TILE inlines a constant) */                \
                     const Fetch fetch = {0, 0, 1, 0};                                                     \
-                    ROWS(TILE, R)                                                                         \
+                    WIDTHS(TILE, R)                                                                       \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
@@ -510,8 +553,12 @@ void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, cons
 }
 #endif
 
+/* Panels per group of the bf16 layout the products read now (pack.py packs in it): 1 where they use AMX. */
+int gemm_panel_group(void) { return gemm_amx_on() ? 1 : PANEL_GROUP; }
+
 /* X: M rows of bf16 (stride ldx, even) entering the product, beyond 16 rows followed by zero rows up to a
- * multiple of 16 (the AMX path reads whole groups there); Y: their fp32 sums. */
+ * multiple of 16 (the AMX path reads whole groups there); Y: their fp32 sums. P: packed in groups of
+ * gemm_panel_group() panels. */
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy) {
 #ifdef CASTSPEC_AVX512
     if (amx_on && I % 32 == 0) {
@@ -536,11 +583,35 @@ void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O,
     free(XW);
 #else
     const uint32_t *X2 = (const uint32_t *)X;
-#define TILE_BF16(R, NB, b)                                                                                 \
-    tile_bf16(P + (int64_t)(blk + (b)) * pstride, pstride, I / 2, X2 + (int64_t)m0 * (ldx / 2), ldx / 2, R, NB, \
+    const int G = gemm_panel_group();
+#define TILE_BF16_2(R, R2, NB, b)                                                                             \
+    tile_bf16(P, blk + (b), G, pstride, I / 2, X2 + (int64_t)m0 * (ldx / 2), ldx / 2, R, R2, NB,              \
               Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16, fetch)
-    PRODUCT(TILE_BF16, 32 * (int64_t)I)
+#define TILE_BF16(R, NB, b) TILE_BF16_2(R, 0, NB, b)
+/* 9-16 rows: pairs of a group of 8 and one of M - 8 (tile_bf16) */
+#define TILE_PAIR(R, NB, b)                                                                                 \
+    switch (M - MAX_R) {                                                                                    \
+    case 8: TILE_BF16_2(R, 8, NB, b); break;                                                                \
+    case 7: TILE_BF16_2(R, 7, NB, b); break;                                                                \
+    case 6: TILE_BF16_2(R, 6, NB, b); break;                                                                \
+    case 5: TILE_BF16_2(R, 5, NB, b); break;                                                                \
+    case 4: TILE_BF16_2(R, 4, NB, b); break;                                                                \
+    case 3: TILE_BF16_2(R, 3, NB, b); break;                                                                \
+    case 2: TILE_BF16_2(R, 2, NB, b); break;                                                                \
+    default: TILE_BF16_2(R, 1, NB, b); break;                                                               \
+    }
+#define PAIR_WIDTHS(TILE, R) \
+    (void)(R);               \
+    SWEEP(TILE, MAX_R, 3);
+    if (M > MAX_R && M <= 2 * MAX_R) {
+        PRODUCT_ROWS(TILE_PAIR, 32 * (int64_t)I, MAX_R, PAIR_WIDTHS)
+    } else {
+        PRODUCT(TILE_BF16, 32 * (int64_t)I)
+    }
+#undef PAIR_WIDTHS
+#undef TILE_PAIR
 #undef TILE_BF16
+#undef TILE_BF16_2
 #endif
 }
 
