@@ -3,8 +3,8 @@
  *
  * A decode step multiplies one row by every weight matrix and is bound by reading the weights; a tree verify or
  * a serving round multiplies 8-64 rows, which costs compute as well. Both run here as register tiles of up to
- * 8 rows x up to 8 panels: per step along I, each weight vector is loaded once and used by every row of the
- * tile, each row's input is broadcast once and used by every panel. The threads take the panels a few at a
+ * 8 rows x up to 6 panels (AVX2: 4): per step along I, each weight vector is loaded once and used by every row of
+ * the tile, each row's input is broadcast once and used by every panel. The threads take the panels a few at a
  * time, each from its own contiguous share first (share.h); every group of rows meets those panels while they
  * are still in cache, so the weights stream from memory once per forward whatever M is, fetched ahead of the
  * compute (PRODUCT) so that the stream and the dot products overlap.
@@ -12,8 +12,8 @@
  * Packed layouts (16 = output columns of a panel, lanes of a vector):
  *   bf16: [O/16/G][I/2][G][16][2], the k-pairs VDPBF16PS consumes (input I even), panels interleaved in groups
  *         of G = gemm_panel_group(): a tile's G panels are one stream of whole 64-byte lines along I, not G
- *         streams, and on the EPYC tuned for that alone made products of 1-8 rows 10-20% faster
- *         (docs/performance.md); G = 1 (plain panels) where AMX tiles read them (1 KiB blocks of one panel);
+ *         streams, which the hardware prefetcher follows better (measured on a Zen 5 EPYC, docs/performance.md);
+ *         G = 1 (plain panels) where AMX tiles read them (1 KiB blocks of one panel);
  *   fp32: [O/16][I][16].
  * O is padded to whole panels (and bf16 panels to whole groups) with zero columns, computed and never stored.
  *
@@ -146,8 +146,8 @@ static inline __attribute__((always_inline)) void chunk_bf16(const uint16_t *con
 /* One tile: R rows x NB panels (panels q0 on of P, packed in groups of G) along all of I, in chunks of KCHUNK
  * k-pairs (each summed from zero and added to Y in order); each step loads one 64-byte line per panel. With R2 > 0
  * a second group of R2 rows (X and Y MAX_R rows on) takes every chunk right after the first, from L1: for 9-16
- * rows the weights then stream from memory in one pass of one group's pattern, which on the EPYC tuned for
- * measured faster than a second group passing over each block from L2 (docs/performance.md). */
+ * rows the weights then stream from memory in one pass of one group's pattern, which measured faster than a
+ * second group passing over each block from L2 with grouped panels (docs/performance.md). */
 static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, int64_t q0, int G, int64_t pstride,
                                                             int I2, const uint32_t *X, int64_t ldx2, int R, int R2,
                                                             int NB, float *Y, int64_t ldy, int64_t valid, Fetch f) {
