@@ -3,7 +3,7 @@
  *
  * A decode step multiplies one row by every weight matrix and is bound by reading the weights; a tree verify or
  * a serving round multiplies 8-64 rows, which costs compute as well. Both run here as register tiles of up to
- * 8 rows x up to 6 panels (AVX2: 4): per step along I, each weight vector is loaded once and used by every row of
+ * 8 rows x 3-6 panels (AVX2: 1-4): per step along I, each weight vector is loaded once and used by every row of
  * the tile, each row's input is broadcast once and used by every panel. The threads take the panels a few at a
  * time, each from its own contiguous share first (share.h); every group of rows meets those panels while they
  * are still in cache, so the weights stream from memory once per forward whatever M is, fetched ahead of the
@@ -308,17 +308,17 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
     default: SWEEP(TILE, 1, 4); break;     \
     }
 #else
-/* Tile widths per row count: up to 24 accumulators, plus the panel vectors and one broadcast, in 32 registers;
- * whole groups of PANEL_GROUP panels. */
+/* Tile widths per row count: one group of PANEL_GROUP panels (one stream of lines, up to 24 accumulators),
+ * which measured faster than two groups from 2 rows on (one row: level either way, and it keeps two). */
 #define ROWS(TILE, R)                      \
     switch (R) {                           \
     case 8: SWEEP(TILE, 8, 3); break;      \
     case 7: SWEEP(TILE, 7, 3); break;      \
     case 6: SWEEP(TILE, 6, 3); break;      \
     case 5: SWEEP(TILE, 5, 3); break;      \
-    case 4: SWEEP(TILE, 4, 6); break;      \
-    case 3: SWEEP(TILE, 3, 6); break;      \
-    case 2: SWEEP(TILE, 2, 6); break;      \
+    case 4: SWEEP(TILE, 4, 3); break;      \
+    case 3: SWEEP(TILE, 3, 3); break;      \
+    case 2: SWEEP(TILE, 2, 3); break;      \
     default: SWEEP(TILE, 1, 6); break;     \
     }
 #endif
