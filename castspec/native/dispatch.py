@@ -77,6 +77,8 @@ class NativeSwitch(nn.Module):
         """`torch_forward(*args)`, or the same call through the native code where it applies."""
         if torch.is_grad_enabled() or not self._kind.accepts(model, *args):
             return torch_forward(*args)
+        if self._stale():
+            self._reset()
         if not self._looked_up:
             self._build(model, torch_forward, args)
         return torch_forward(*args) if self._code is None else self._code.run(*args)
@@ -84,9 +86,15 @@ class NativeSwitch(nn.Module):
     def code_for(self, model: nn.Module, *args) -> NativeStep | NativeDraft | None:
         """The native code that `run(model, ..., *args)` would use, where it is already built and checked (it is
         built by a `run`), for callers with a fused entry of their own (NativeDraft.marginals); else None."""
-        if self._code is None or torch.is_grad_enabled() or not self._kind.accepts(model, *args):
+        if self._code is None or self._stale() or torch.is_grad_enabled() or not self._kind.accepts(model, *args):
             return None
         return self._code
+
+    def _stale(self) -> bool:
+        """Whether the native code's weights are packed in another layout than the library's products now read
+        (the library chooses AMX, and with it the bf16 panels' grouping, each time it is loaded: tests reload it
+        with CASTSPEC_AMX=0): built again at the next forward."""
+        return self._code is not None and self._code.panel_group != native.panel_group()
 
     def _build(self, model: nn.Module, torch_forward, call: tuple) -> None:
         """The model's native code: the first of its kind's candidates whose self-test agrees with the torch

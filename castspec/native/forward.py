@@ -197,6 +197,7 @@ class NativeStep:
     def __init__(self, decoder, lib):
         cfg = decoder.cfg
         self._fn = lib.forward_rows
+        self.panel_group = lib.gemm_panel_group()  # the layout its weights are packed in (native/pack.py)
         keep = self._kept = _Kept()
         self._layers = _layer_array(decoder.model.layers, keep)
         self._model = StepModel(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -335,6 +336,7 @@ class NativeDraft:
         proposes what its bf16 weights do within the replay's noise (docs/performance.md)."""
         cfg = drafter.cfg
         self._lib = lib
+        self.panel_group = lib.gemm_panel_group()  # the layout its weights are packed in (native/pack.py)
         keep = self._kept = _Kept()
         self.int8 = int8
         self.tolerance = INT8_TOLERANCE if int8 else None
