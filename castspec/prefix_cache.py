@@ -65,7 +65,7 @@ def _kept(t: torch.Tensor, n: int, owned: bool) -> torch.Tensor:
     return t[:, :, :, :n] if owned and 2 * n >= t.shape[3] else t[:, :, :, :n].clone()
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
@@ -85,19 +85,29 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _longest(self, prompt: np.ndarray, taps: tuple[int, ...]) -> tuple[int | None, int]:
+        """The kept context sharing the longest prefix with `prompt` that a request with `taps` can take (one
+        that drafts needs the drafter's state, which only contexts kept with its taps have): (key, length)."""
+        best, best_n = None, 0
+        for key, e in self._entries.items():
+            if e.taps != taps or (taps and not e.drafts):
+                continue
+            n = common_prefix(prompt, e.tokens)
+            if n > best_n:
+                best, best_n = key, n
+        return best, best_n
+
+    def shared(self, prompt: np.ndarray, taps: tuple[int, ...]) -> int:
+        """How many of `prompt`'s first tokens a request with `taps` would copy now (its last token aside)."""
+        return min(self._longest(prompt, taps)[1], len(prompt) - 1) if self._entries else 0
+
     def restore(self, seq: Sequence) -> int:
         """Before `seq` reads its prompt: copy the longest kept prefix it shares (never the whole prompt: its
         last token is read, its logits give the first output token). Returns the prompt tokens taken."""
         if seq.prefilled or not self._entries:
             return 0
         prompt = np.asarray(seq.prompt, dtype=np.int64)
-        best, best_n = None, 0
-        for key, e in self._entries.items():
-            if e.taps != seq.taps or (seq.draft is not None and not e.drafts):
-                continue
-            n = _common_prefix(prompt, e.tokens)
-            if n > best_n:
-                best, best_n = key, n
+        best, best_n = self._longest(prompt, seq.taps)
         n = min(best_n, len(prompt) - 1)
         if n <= 0:
             return 0
@@ -144,7 +154,7 @@ class PrefixCache:
         for key, e in list(self._entries.items()):
             if e.taps != seq.taps:
                 continue
-            shared = _common_prefix(entry.tokens, e.tokens)
+            shared = common_prefix(entry.tokens, e.tokens)
             if shared == n and (e.drafts or not entry.drafts):
                 self._entries.move_to_end(key)
                 return  # already kept, as part of a longer context or alone

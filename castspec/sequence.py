@@ -110,6 +110,12 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
         torch.tensor([ctx_pos], dtype=torch.long, device=device), segments, depths)
 
 
+def request_taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:
+    """The target layers whose features a request decoded with `cfg` keeps for the drafter (none if it does not
+    draft)."""
+    return tuple(drafter.cfg.target_layer_ids) if drafter is not None and cfg.method != "ar" else ()
+
+
 class Sequence:
     """One request: its caches, prompt progress, pending root, output and stop handling."""
 
@@ -122,7 +128,7 @@ class Sequence:
         self.capacity = len(prompt) + cfg.max_new_tokens + 1
         # a verify pack writes root + up to max_nodes tree nodes past the prefix before compaction
         self.cache = target.new_cache(self.capacity + max_nodes + 1)
-        self.taps = tuple(self.drafter.cfg.target_layer_ids) if self.drafter else ()
+        self.taps = request_taps(drafter, cfg)
         self.draft = DraftState(self.drafter, self.capacity + L + 1) if self.drafter else None
         self.prompt = prompt
         self.prefilled = 0  # prompt tokens already in the cache

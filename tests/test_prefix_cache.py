@@ -6,11 +6,12 @@ import torch
 
 from castspec.allocate import FixedWidth
 from castspec.config import DecodeConfig
+from castspec.decode import decode
 from castspec.prefix_cache import PrefixCache
 from castspec.round import run_round
 from castspec.sequence import Sequence
-from castspec.serving.scheduler import SchedulerConfig
-from conftest import llama_config, make_hf, native, random_drafter, read_prompt
+from castspec.serving.scheduler import Scheduler, SchedulerConfig
+from conftest import llama_config, make_hf, native, random_drafter, read_prompt, serve_all
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +95,28 @@ def test_a_finished_requests_answer_is_kept_with_its_drafter_state(models):
     assert torch.equal(turn.cache.k[:, :, :, :len(context)], seq.cache.k[:, :, :, :len(context)])
     early = Sequence(target, drafter, context[:5] + [30], DecodeConfig(max_new_tokens=2), 8)
     assert cache.restore(early) == 5 and early.draft.cache.length == min(5, fused)
+
+
+@pytest.mark.parametrize("method", ["cast", "ar"])
+def test_requests_arriving_together_read_a_shared_prompt_start_once(models, method):
+    """Four requests submitted at once whose prompts begin with the same 20 tokens: with `wait_for_shared_prompt`
+    the first reads them and the others, held back until it has, copy them (and answer exactly as alone); with 0
+    all four read them, as they used to."""
+    target, drafter = models
+    system = [(7 * i) % 37 + 1 for i in range(20)]
+    prompts = [system + [30 + i, 2, 3 + i] for i in range(4)] + [[39, 38, 37]]  # and one that shares nothing
+    truth = [[t for c in decode(target, None, p, DecodeConfig(method="ar", max_new_tokens=6)) for t in c]
+             for p in prompts]
+    prefill = {}
+    for wait in (16, 0):
+        cfg = SchedulerConfig(max_batch=8, prefill_budget=64, policy="fixed", width=4, wait_for_shared_prompt=wait)
+        sched = Scheduler(target, drafter, cfg, method=method)
+        reqs = [(p, DecodeConfig(method=method, max_new_tokens=6)) for p in prompts]
+        outs, reasons = serve_all(sched, reqs, arrivals=[0] * len(reqs))
+        assert [outs[i] for i in range(len(prompts))] == truth
+        m = sched.metrics.snapshot()
+        prefill[wait] = m["prefill_tokens"]
+        assert m["prefix_hit_tokens"] == (3 * len(system) if wait else 0)
+    assert prefill[0] - prefill[16] == 3 * len(system)
+    with pytest.raises(ValueError, match="wait_for_shared_prompt"):
+        SchedulerConfig(wait_for_shared_prompt=-1)

@@ -9,6 +9,10 @@ Policy (documented in docs/serving.md):
 - a newcomer whose prompt starts like an earlier request's context (its prompt, or prompt and answer) copies
   that prefix's caches instead of reading it again (castspec.prefix_cache; `prefix_cache_mb` bounds what is
   kept, 0 turns it off);
+- a newcomer whose prompt starts like one a running request is still reading (by at least
+  `wait_for_shared_prompt` tokens more than a kept prefix gives) waits until that prompt is read and kept, then
+  copies it: requests that arrive together read a shared system turn once, not once each (SGLang's scheduler
+  holds such requests back too), for a round or a few of waiting;
 - finished, cancelled and failed requests leave at the next round boundary and free their caches;
 - if a round raises, the batch is rolled back and every request is retried alone, so only the request that
   fails on its own gets the error.
@@ -23,15 +27,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..allocate import PolicySpec, make_policy
 from ..config import DecodeConfig
 from ..cost import CostProfile
 from ..native.threads import release_workers
-from ..prefix_cache import PrefixCache
+from ..prefix_cache import PrefixCache, common_prefix
 from ..round import RoundOutput, run_round, warm_up
-from ..sequence import Sequence, check_request
+from ..sequence import Sequence, check_request, request_taps
 
 log = logging.getLogger("castspec.scheduler")
 
@@ -53,10 +58,13 @@ class SchedulerConfig:
     width: int | str = 15  # fixed: per request; uniform/shared: the whole batch's budget; "auto": the cost rule
     top_k_per_position: int = 8  # the trees' candidates at each drafted position
     prefix_cache_mb: float = 256.0  # kept prompt prefixes (castspec.prefix_cache); 0: every prompt read whole
+    wait_for_shared_prompt: int = 16  # prompt tokens shared with one being read that make a newcomer wait; 0: never
 
     def __post_init__(self):
-        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_budget < 1 or self.prefix_cache_mb < 0:
-            raise ValueError("max_batch and prefill_budget must be >= 1, max_queue and prefix_cache_mb >= 0")
+        if (self.max_batch < 1 or self.max_queue < 0 or self.prefill_budget < 1 or self.prefix_cache_mb < 0
+                or self.wait_for_shared_prompt < 0):
+            raise ValueError("max_batch and prefill_budget must be >= 1, max_queue, prefix_cache_mb and "
+                             "wait_for_shared_prompt >= 0")
         self.policy_spec("cast")  # the policy, width and top_k_per_position checks
 
     def policy_spec(self, method: str) -> PolicySpec:
@@ -315,6 +323,9 @@ class Scheduler:
                 if source is not None and source.finish_reason is None and not prefilled:
                     later.append(r)
                     continue
+                if source is None and self._waits_for_shared_prompt(r):
+                    later.append(r)
+                    continue
                 try:
                     if prefilled and source.seq.emitted == 1:
                         r.seq, first = source.seq.fork(r.cfg, self.max_nodes)
@@ -333,6 +344,26 @@ class Scheduler:
         for r, first in forked:
             self._deliver(r, first, r.seq.new_logprobs)
             self._finish_if_done(r)
+
+    def _waits_for_shared_prompt(self, r: Request) -> bool:
+        """Whether newcomer `r` shares, with a prompt a running request is still reading, at least
+        `wait_for_shared_prompt` tokens more than the prefix cache gives it now: once that prompt is read and
+        kept, `r` copies them instead of reading them too."""
+        least = self.cfg.wait_for_shared_prompt
+        if least <= 0 or self.prefix_cache.max_bytes <= 0:
+            return False
+        reading = [a.seq for a in self._active if a.seq.reading_prompt]
+        if not reading:
+            return False
+        taps = request_taps(self.drafter, r.cfg)
+        prompt = np.asarray(r.prompt, dtype=np.int64)
+        kept = self.prefix_cache.shared(prompt, taps)
+        for seq in reading:  # a prompt read with other taps keeps nothing r can take
+            if seq.taps == taps:
+                shared = min(common_prefix(prompt, np.asarray(seq.prompt, dtype=np.int64)), len(prompt) - 1)
+                if shared - kept >= least:
+                    return True
+        return False
 
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop` is set; sleeps while idle, its OpenMP workers handed back (native/threads.py: the
