@@ -34,7 +34,7 @@ def int8_lib(request, monkeypatch):
 
 def product(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M, I = x.shape
-    panels, sw, sums = pack_int8(w)
+    panels, sw, sums = pack_int8(w, lib.gemm_panel_group())
     qx, sx = quantize(x)
     xq = torch.zeros(-(-M // 16) * 16, I, dtype=torch.int8)  # whole groups of 16 rows, as AMX tiles read them
     xq[:M] = qx
@@ -56,6 +56,20 @@ def test_int8_products_equal_the_integer_reference(int8_lib, rows, shape):
     assert torch.equal(got[0], torch.zeros(O))
     for r in (0, rows // 2, rows - 1):  # each row's bits are its own, wherever it sits
         assert torch.equal(product(int8_lib, x[r:r + 1], w)[0], got[r])
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_int8_panels_interleave_in_groups(group):
+    """The int8 layout: element [g, p, j, c, k] is column 16 * (g * group + j) + c's quantized weight for input
+    4 * p + k, and zero past the weight's columns (up to whole groups of panels)."""
+    w = torch.randn(37, 64)
+    packed, _, _ = pack_int8(w, group)
+    q, _ = quantize(w)
+    groups = -(-37 // (16 * group))
+    assert packed.shape == (groups, 16, group, 16, 4)
+    for g, p, j, c, k in [(0, 0, 0, 0, 0), (0, 9, group - 1, 5, 3), (groups - 1, 15, group - 1, 15, 1)]:
+        row = 16 * (g * group + j) + c
+        assert packed[g, p, j, c, k] == (q[row, 4 * p + k] if row < 37 else 0)
 
 
 def test_int8_quantize_rounds_half_to_even_and_saturates():

@@ -135,7 +135,7 @@ def _int8_checked(lib) -> bool:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(17, 128, generator=g), torch.randn(40, 128, generator=g)
     qx, sx = quantize(x)
-    panels, scales, sums = pack_int8(w)
+    panels, scales, sums = pack_int8(w, lib.gemm_panel_group())
     rows = torch.zeros(32, 128, dtype=torch.int8)  # whole groups of 16 rows, as AMX tiles read them
     rows[:17] = qx
     got = torch.empty(17, 40)

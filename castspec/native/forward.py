@@ -63,7 +63,7 @@ def _packed(keep: _Kept, w: torch.Tensor) -> int:
 
 def _packed_int8(keep: _Kept, w: torch.Tensor) -> int:
     """The address of model.h's Int8Weight for a weight matrix quantized and packed for gemm.c's int8 products."""
-    panels, scales, sums = pack_int8(w)
+    panels, scales, sums = pack_int8(w, native.panel_group())
     return keep.struct(Int8Weight(keep(panels), keep(scales), keep(sums)))
 
 

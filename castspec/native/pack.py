@@ -7,8 +7,8 @@ panels reads one stream of lines); G is the library's `gemm_panel_group()` (1 wh
 [O, I] -> [ceil(O/16), I, 16]. Missing columns of the last panel (and bf16 panels of the last group) are zeros.
 
 int8 (a drafter's weights where the CPU has AMX-INT8 or AVX-512 VNNI, native/forward.py): each output column
-scaled by max |w| / 127 and rounded, [ceil(O/16), I/4, 16, 4] (the quads of inputs TDPBSSD and VPDPBUSD multiply,
-16 columns' quads a 64-byte line), I a multiple of 64.
+scaled by max |w| / 127 and rounded, [ceil(O/16/G), I/4, G, 16, 4] (the quads of inputs TDPBSSD and VPDPBUSD
+multiply, 16 columns' quads a 64-byte line, grouped as bf16 panels are), I a multiple of 64.
 """
 from __future__ import annotations
 
@@ -60,16 +60,16 @@ def int8_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (qx.long() @ qw.long().T).float() * sx[:, None] * sw[None, :]
 
 
-def pack_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [O, I] (I a multiple of INT8_INPUTS) quantized per output column and packed: (panels, scales [O], sums
-    [O] of each column's int8 weights, int32)."""
+def pack_int8(w: torch.Tensor, group: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [O, I] (I a multiple of INT8_INPUTS) quantized per output column and packed in groups of `group` panels
+    (the library's gemm_panel_group()): (panels, scales [O], sums [O] of each column's int8 weights, int32)."""
     O, I = w.shape
     if I % INT8_INPUTS:
         raise ValueError(f"an int8 weight needs inputs in multiples of {INT8_INPUTS}, not {I}")
-    panels = -(-O // PANEL)
+    groups = -(-O // (PANEL * group))
     with torch.no_grad():
         q, scale = quantize(w.detach())
-        padded = torch.zeros(panels * PANEL, I, dtype=torch.int8)
+        padded = torch.zeros(groups * group * PANEL, I, dtype=torch.int8)
         padded[:O] = q
-        packed = padded.view(panels, PANEL, I // 4, 4).permute(0, 2, 1, 3).contiguous()
+        packed = padded.view(groups, group, PANEL, I // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
         return packed, scale.contiguous(), q.sum(1, dtype=torch.int32)

@@ -14,6 +14,7 @@
  *         of G = gemm_panel_group(): a tile's G panels are one stream of whole 64-byte lines along I, not G
  *         streams, which the hardware prefetcher follows better (measured on a Zen 5 EPYC, docs/performance.md);
  *         G = 1 (plain panels) where AMX tiles read them (1 KiB blocks of one panel);
+ *   int8: [O/16/G][I/4][G][16][4], the quads VPDPBUSD consumes, grouped as bf16 (G = 1 with AMX tiles);
  *   fp32: [O/16][I][16].
  * O is padded to whole panels (and bf16 panels to whole groups) with zero columns, computed and never stored.
  *
@@ -105,10 +106,10 @@ static inline __attribute__((always_inline)) void fetch_lines(const Fetch *f, co
     if (now) _mm_prefetch((const char *)line + f->next * (int64_t)esz, _MM_HINT_T1);
 }
 
-/* Where panel q of a bf16 matrix packed in groups of G panels (pstride elements a panel) starts: its first
- * k-pair's line; its next k-pair's is 32 * G elements on. */
-static inline const uint16_t *panel_at(const uint16_t *P, int64_t q, int64_t pstride, int G) {
-    return P + q / G * G * pstride + q % G * 32;
+/* Where panel q of a matrix packed in groups of G panels (pstride bytes a panel) starts: its first step's
+ * 64-byte line (a bf16 k-pair's, an int8 quad's); its next step's is 64 * G bytes on. */
+static inline const void *panel_at(const void *P, int64_t q, int64_t pstride, int G) {
+    return (const char *)P + q / G * G * pstride + q % G * 64;
 }
 
 /* Steps [p0, pe) of one chunk of a tile of R rows x NB panels (the panels' first lines in `panel`, `step`
@@ -153,7 +154,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *P, i
                                                             int NB, float *Y, int64_t ldy, int64_t valid, Fetch f) {
     const int64_t step = 32 * (int64_t)G; /* elements */
     const uint16_t *panel[8];
-    UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) panel[b] = panel_at(P, q0 + b, pstride, G);
+    UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) panel[b] = panel_at(P, q0 + b, 2 * pstride, G);
     const Fetch none = {0, 0, 1, 0};
     int countdown = f.phase, unused = 0;
     for (int p0 = 0; p0 < I2; p0 += KCHUNK) {
@@ -250,12 +251,16 @@ typedef struct {
 /* The int8 tile on AVX-512 VNNI (CPUs without AMX): VPDPBUSD multiplies unsigned by signed bytes, so each input
  * quad goes in as x + 128 (its sign bit flipped) and the sums come out 128 x the column's weight sum too many,
  * which is taken off: integer sums, exactly those of AMX's TDPBSSD, then scaled as gemm_amx scales them. Each
- * step along I loads one 64-byte line per panel (16 columns x 4 inputs, the packed layout) and one quad per row. */
-static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, int64_t pstride, int I4,
-                                                               const int32_t *X, int64_t ldx4, int R, int NB,
-                                                               float *Y, int64_t ldy, int64_t valid, Scales q,
-                                                               Fetch f) {
+ * step along I loads one 64-byte line per panel (16 columns x 4 inputs, the packed layout; panels q0 on of P,
+ * in groups of G as the bf16 ones) and one quad per row. */
+static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, int64_t q0, int G, int64_t pstride,
+                                                               int I4, const int32_t *X, int64_t ldx4, int R,
+                                                               int NB, float *Y, int64_t ldy, int64_t valid,
+                                                               Scales q, Fetch f) {
     const __m512i flip = _mm512_set1_epi32((int)0x80808080u);
+    const int64_t step = 64 * (int64_t)G; /* bytes */
+    const int8_t *panel[8];
+    UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) panel[b] = panel_at(P, q0 + b, pstride, G);
     int countdown = f.phase;
     __m512i acc[MAX_R][8];
     UNROLL_LOOP(8) for (int r = 0; r < R; ++r)
@@ -264,9 +269,9 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
         __m512i w[8];
         const int now = fetch_next_now(&f, &countdown);
         UNROLL_LOOP(8) for (int b = 0; b < NB; ++b) {
-            const int8_t *line = P + b * pstride + (int64_t)p * 64;
+            const int8_t *line = panel[b] + (int64_t)p * step;
             w[b] = _mm512_loadu_si512(line);
-            fetch_lines(&f, line, 1, 64, now);
+            fetch_lines(&f, line, 1, step, now);
         }
         UNROLL_LOOP(8) for (int r = 0; r < R; ++r) {
             const __m512i x = _mm512_xor_si512(_mm512_set1_epi32(X[r * ldx4 + p]), flip);
@@ -363,13 +368,17 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
     }
 
 #ifdef CASTSPEC_AVX512
-/* gemm_i8_f32 on AVX-512 VNNI tiles, through PRODUCT as the bf16 products. */
+int gemm_panel_group(void);
+
+/* gemm_i8_f32 on AVX-512 VNNI tiles, through PRODUCT as the bf16 products (P packed in groups of
+ * gemm_panel_group() panels). */
 VNNI static void gemm_i8_vnni(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X,
                               const float *xscale, float *Y, int M, int O, int I, int ldx, int ldy) {
     const int64_t pstride = (int64_t)16 * I; /* bytes per panel */
     const int32_t *X4 = (const int32_t *)X;
+    const int G = gemm_panel_group();
 #define TILE_I8(R, NB, b)                                                                                    \
-    tile_i8(P + (int64_t)(blk + (b)) * pstride, pstride, I / 4, X4 + (int64_t)m0 * (ldx / 4), ldx / 4, R, NB, \
+    tile_i8(P, blk + (b), G, pstride, I / 4, X4 + (int64_t)m0 * (ldx / 4), ldx / 4, R, NB,                    \
             Y + (int64_t)m0 * ldy + (int64_t)(blk + (b)) * 16, ldy, (int64_t)O - (int64_t)(blk + (b)) * 16,   \
             (Scales){xscale + m0, wscale + (int64_t)(blk + (b)) * 16, wsum + (int64_t)(blk + (b)) * 16}, fetch)
     PRODUCT(TILE_I8, 16 * (int64_t)I)
@@ -530,8 +539,9 @@ AMX static void gemm_amx(const void *P, const void *X, int64_t lda, float *Y, in
 
 /* Int8 products (a drafter's, where the CPU has AMX-INT8 or AVX-512 VNNI; native/forward.py): Y[M, O] =
  * (X . W^T) * xscale[row] * wscale[column], X [M, I] int8 (I a multiple of 64; beyond 16 rows followed by zero
- * rows up to a multiple of 16), W packed [O/16][I/4][16][4] (the quads of inputs TDPBSSD and VPDPBUSD multiply,
- * native/pack.py) with one fp32 scale and one weight sum (wsum) per column. The sums are integers, exact in any
+ * rows up to a multiple of 16), W packed [O/16/G][I/4][G][16][4] (the quads of inputs TDPBSSD and VPDPBUSD
+ * multiply, in groups of G = gemm_panel_group() panels; native/pack.py) with one fp32 scale and one weight sum
+ * (wsum) per column. The sums are integers, exact in any
  * order and on either unit, so a row's result depends only on that row, and is the same on AMX and on AVX-512
  * VNNI. */
 void gemm_i8_f32(const int8_t *P, const float *wscale, const int32_t *wsum, const int8_t *X, const float *xscale,
