@@ -199,22 +199,29 @@ static void rope(const StepModel *m, float *x, int64_t pos) {
 }
 
 /* Sixteen vectors' horizontal sums as one vector (out[j] = sum of v[j]): a tree of lane shuffles and adds,
- * much cheaper than sixteen separate reductions. The tree leaves the sums 4x4-transposed; the last permute
- * (its own inverse) puts them in order. */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 t[8], u[4], w[2];
-    for (int k = 0; k < 8; ++k)
-        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-    for (int k = 0; k < 4; ++k)
-        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
-    for (int k = 0; k < 2; ++k)
-        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * k], u[2 * k + 1]), _mm512_unpackhi_ps(u[2 * k], u[2 * k + 1]));
-    const __m512 r = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]))));
+ * much cheaper than sixteen separate reductions. Its levels: hsum_pairs folds v[2k] and v[2k + 1] into one
+ * vector, hsum_quads two of those, hsum_octs two of these, hsum_last the two halves, whose sums the tree leaves
+ * 4x4-transposed; the last permute (its own inverse) puts them in order. score_chunk runs the same levels as
+ * its vectors come. */
+static inline __m512 hsum_pairs(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+static inline __m512 hsum_quads(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+static inline __m512 hsum_octs(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+static inline __m512 hsum_last(__m512 a, __m512 b) {
+    const __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))));
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; ++k) t[k] = hsum_pairs(v[2 * k], v[2 * k + 1]);
+    for (int k = 0; k < 4; ++k) u[k] = hsum_quads(t[2 * k], t[2 * k + 1]);
+    return hsum_last(hsum_octs(u[0], u[1]), hsum_octs(u[2], u[3]));
 }
 
 /* The values' weighted sum for H heads over one block of C vectors (16 * C output lanes from i0): each head's
@@ -270,22 +277,41 @@ static inline __attribute__((always_inline)) void weigh_all(const float *p, int6
     }
 }
 
-/* One query head's dot products with the keys [c0, c0 + w) of a 16-key chunk (slots keys[c0 + j], or c0 + j
- * without a list), lane-wise: acc[j] sums the d/16 products of key j in order (hsum16 then sums the lanes), and
- * acc[j] = 0 for j >= w. d is a constant at the common call sites (64, 128): the query then stays in registers
- * and the loops unroll; the arithmetic is the same either way. */
-static inline __attribute__((always_inline)) void dot_keys(const float *qg, const void *K, int bf,
-                                                           const int32_t *keys, int c0, int w, int d, __m512 *acc) {
+/* The scores of HG query heads (q: HG rows of d) against the keys [c0, c0 + w) of a 16-key chunk (slots
+ * keys[c0 + j], or c0 + j without a list), unscaled, into sc[0, HG): for each head and key the d/16 lane-wise
+ * products summed in order (key j >= w: zero), then hsum16 of the chunk's sixteen: exactly those operations,
+ * with each key's vectors loaded once for all HG heads, and hsum16's levels run as the keys come (two keys'
+ * sums folded at once), so that a head's partial tree holds few registers. HG and d are constants at the call
+ * sites (the loops unroll, the query rows stay in registers where they fit). */
+static inline __attribute__((always_inline)) void score_chunk(const float *q, int HG, const void *K, int bf,
+                                                              const int32_t *keys, int c0, int w, int d,
+                                                              __m512 *sc) {
     const int nv = d / 16;
-    __m512 qv[8];
-    if (nv <= 8) UNROLL_LOOP(8) for (int i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(qg + 16 * i);
-    UNROLL_LOOP(16) for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_setzero_ps();
-        if (j < w) {
-            const int64_t key = (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
-            UNROLL_LOOP(8) for (int i = 0; i < nv; ++i)
-                acc[j] = _mm512_fmadd_ps(nv <= 8 ? qv[i] : _mm512_loadu_ps(qg + 16 * i), kv16(K, key + 16 * i, bf),
-                                         acc[j]);
+    __m512 t[4], u[4], o[4];
+    UNROLL_LOOP(8) for (int kp = 0; kp < 8; ++kp) {
+        __m512 acc[4][2];
+        UNROLL_LOOP(2) for (int e = 0; e < 2; ++e) {
+            const int j = 2 * kp + e;
+            UNROLL_LOOP(4) for (int g = 0; g < HG; ++g) acc[g][e] = _mm512_setzero_ps();
+            if (j < w) {
+                const int64_t key = (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
+                UNROLL_LOOP(8) for (int i = 0; i < nv; ++i) {
+                    const __m512 k = kv16(K, key + 16 * i, bf);
+                    UNROLL_LOOP(4) for (int g = 0; g < HG; ++g)
+                        acc[g][e] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (int64_t)g * d + 16 * i), k, acc[g][e]);
+                }
+            }
+        }
+        UNROLL_LOOP(4) for (int g = 0; g < HG; ++g) {
+            const __m512 pair = hsum_pairs(acc[g][0], acc[g][1]);
+            if (kp % 2 == 0) {
+                t[g] = pair;
+                continue;
+            }
+            const __m512 quad = hsum_quads(t[g], pair);
+            if (kp % 4 == 1) u[g] = quad;
+            else if (kp == 3) o[g] = hsum_octs(u[g], quad);
+            else sc[g] = hsum_last(o[g], hsum_octs(u[g], quad));
         }
     }
 }
@@ -309,15 +335,29 @@ static inline __attribute__((always_inline)) void attend_heads_as(const float *q
     for (int g = 0; g < G; ++g) vmax[g] = ninf;
     for (int c0 = 0; c0 < n; c0 += 16) {
         const int w = n - c0 < 16 ? n - c0 : 16;
-        for (int g = 0; g < G; ++g) { /* the chunk's 16 key rows stay in L1 across the heads */
-            __m512 acc[16];
-            if (d == 64) dot_keys(q + (int64_t)g * d, K, bf, keys, c0, w, 64, acc);
-            else if (d == 128) dot_keys(q + (int64_t)g * d, K, bf, keys, c0, w, 128, acc);
-            else dot_keys(q + (int64_t)g * d, K, bf, keys, c0, w, d, acc);
-            const __m512 sc =
-                _mm512_mask_blend_ps(lanes(n, c0), ninf, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
-            _mm512_storeu_ps(p + g * pstride + c0, sc);
-            vmax[g] = _mm512_max_ps(vmax[g], sc);
+        for (int g0 = 0; g0 < G; g0 += 4) { /* up to four heads at a time share each key's loads */
+            const int hg = G - g0 < 4 ? G - g0 : 4;
+            const float *qg = q + (int64_t)g0 * d;
+            __m512 sc[4];
+#define SCORES(HG)                                                                      \
+    do {                                                                                \
+        if (d == 64) score_chunk(qg, HG, K, bf, keys, c0, w, 64, sc);                   \
+        else if (d == 128) score_chunk(qg, HG, K, bf, keys, c0, w, 128, sc);            \
+        else score_chunk(qg, HG, K, bf, keys, c0, w, d, sc);                            \
+    } while (0)
+            switch (hg) {
+                case 4: SCORES(4); break;
+                case 3: SCORES(3); break;
+                case 2: SCORES(2); break;
+                default: SCORES(1); break;
+            }
+#undef SCORES
+            for (int g = g0; g < g0 + hg; ++g) {
+                const __m512 s =
+                    _mm512_mask_blend_ps(lanes(n, c0), ninf, _mm512_mul_ps(sc[g - g0], _mm512_set1_ps(scale)));
+                _mm512_storeu_ps(p + g * pstride + c0, s);
+                vmax[g] = _mm512_max_ps(vmax[g], s);
+            }
         }
     }
     float inv[64];
