@@ -462,10 +462,12 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
 #endif
     } else {
         /* work items: a row's query heads that share a key/value head, together (they share the loads), or one by
-         * one where there are too few rows to keep the threads busy; the bits are the same either way. Items run
+         * one where there are fewer such groups than threads; the bits are the same either way. (One decode row's
+         * three groups on two threads: one thread takes two, which still beats nine single heads shared out, since
+         * a group's heads read each key and value once.) Items run
          * head by head over the rows, so a thread's consecutive items read the same keys and values (a tree's rows
          * share their prefix) while they are still in its cache. */
-        const int G = M * m->kv_heads >= 2 * omp_get_max_threads() && group <= 64 ? group : 1, items = M * (nh / G);
+        const int G = M * m->kv_heads >= omp_get_max_threads() && group <= 64 ? group : 1, items = M * (nh / G);
 #pragma omp parallel for schedule(static) if ((int64_t)M * rows[0].n >= 64)
         for (int it = 0; it < items; ++it) {
             const int r = it % M, h = (it / M) * G;
