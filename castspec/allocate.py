@@ -142,6 +142,10 @@ PLAIN_FIRST = 3
 # drafted rounds of a batch bucket measured before their gain over plain rounds may stop drafting there: one round's
 # acceptance is a noisy sample (its requests' drafts hit or miss together)
 DRAFTED_FIRST = 3
+# under load, a due try at a batch bucket whose drafted rounds were measured runs only where their gain over plain
+# rounds came within this of 1 (a slow moment of the machine, or content drafting may yet win on); further below,
+# it waits for the longest gap (max_explore_loaded plain rounds)
+TRY_GAIN = 0.9
 
 
 def _ema(old: float | None, value: float, momentum: float) -> float:
@@ -334,12 +338,13 @@ class CostAware(Policy):
             # and the catch-up of the context gathered meanwhile repaid before the requests end
             pays = self.draft_could_pay(batch, context_rows, horizon)
             if self.burst is not None:
-                # a try that is due: where drafted rounds of this batch have been measured it runs (its gap,
-                # explore_every, doubles after each try that loses, up to max_explore_loaded: a measured gain
-                # near 1 is as likely a slow moment of the machine as a loss); where only the profile prices
-                # them, it waits until its round can pay, or for the longest gap (the acceptance it assumes
-                # may be stale)
-                return bucket in self.gains or pays or self.skipped >= self.max_explore_loaded
+                # a try that is due: where drafted rounds of this batch have been measured within TRY_GAIN of
+                # plain ones it runs (its gap, explore_every, doubles after each try that loses, up to
+                # max_explore_loaded: a measured gain near 1 is as likely a slow moment of the machine as a
+                # loss); where they lost by more, or only the profile prices them, it waits until its round can
+                # pay, or for the longest gap (the acceptance measured or assumed may be stale)
+                near = self.gains.get(bucket, 0.0) >= TRY_GAIN
+                return near or pays or self.skipped >= self.max_explore_loaded
             if bucket in self.gains or not pays:
                 return pays
         if self.drafted < self.min_drafted or self.draft_rate is None:
