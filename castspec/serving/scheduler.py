@@ -357,13 +357,12 @@ class Scheduler:
             return False
         taps = request_taps(self.drafter, r.cfg)
         prompt = np.asarray(r.prompt, dtype=np.int64)
-        kept = self.prefix_cache.shared(prompt, taps)
-        for seq in reading:  # a prompt read with other taps keeps nothing r can take
-            if seq.taps == taps:
-                shared = min(common_prefix(prompt, np.asarray(seq.prompt, dtype=np.int64)), len(prompt) - 1)
-                if shared - kept >= least:
-                    return True
-        return False
+        # a prompt read with other taps keeps nothing r can take
+        shared = max((common_prefix(prompt, np.asarray(seq.prompt, dtype=np.int64)) for seq in reading
+                      if seq.taps == taps), default=0)
+        shared = min(shared, len(prompt) - 1)
+        # the kept prefixes are looked through only for a request that could wait
+        return shared >= least and shared - self.prefix_cache.shared(prompt, taps) >= least
 
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop` is set; sleeps while idle, its OpenMP workers handed back (native/threads.py: the
