@@ -91,7 +91,7 @@ def test_help_for_every_subcommand():
     (["loadtest", "--concurrency", "1,x"], "--concurrency is a comma list"),
     (["loadtest", "--concurrency", "0"], "must be >= 1"),
     (["loadtest", "--prefix-cache-mb", "-1"], "--prefix-cache-mb must be >= 0"),
-    (["serve", "--prefix-cache-mb", "-1"], "prefix_cache_mb >= 0"),
+    (["serve", "--prefix-cache-mb", "-1"], "prefix_cache_mb must be >= 0"),
     (["eval-drafter", "--drafter", "{root}/missing", "--sets", "heldout,mmlu"], "unknown prompt set 'mmlu'"),
     (["eval-drafter", "--drafter", "{root}/missing", "--temperature", "-1"], "--temperature must be 0 or more"),
     (["eval-drafter", "--drafter", "{root}/missing", "--seeds", "0,x"], "--seeds must be comma-separated"),

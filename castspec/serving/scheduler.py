@@ -61,10 +61,10 @@ class SchedulerConfig:
     wait_for_shared_prompt: int = 16  # prompt tokens shared with one being read that make a newcomer wait; 0: never
 
     def __post_init__(self):
-        if (self.max_batch < 1 or self.max_queue < 0 or self.prefill_budget < 1 or self.prefix_cache_mb < 0
-                or self.wait_for_shared_prompt < 0):
-            raise ValueError("max_batch and prefill_budget must be >= 1, max_queue, prefix_cache_mb and "
-                             "wait_for_shared_prompt >= 0")
+        for name, least in (("max_batch", 1), ("prefill_budget", 1), ("max_queue", 0), ("prefix_cache_mb", 0),
+                            ("wait_for_shared_prompt", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         self.policy_spec("cast")  # the policy, width and top_k_per_position checks
 
     def policy_spec(self, method: str) -> PolicySpec:
