@@ -4,7 +4,7 @@ built (native/forward.py), beside the model's own weights (which the torch forwa
 bf16 [O, I] -> [ceil(O/16/G), I/2, G, 16, 2]: per group of G panels and pair of inputs, each panel's 16 columns'
 two weights side by side, as VDPBF16PS multiplies them, the group's panels one after another (so that a tile of G
 panels reads one stream of lines); G is the library's `gemm_panel_group()` (1 where it uses AMX tiles). fp32
-[O, I] -> [ceil(O/16), I, 16]. Missing columns of the last panel (and bf16 panels of the last group) are zeros.
+[O, I] -> [ceil(O/16), I, 16]. Missing columns of the last panel (and grouped panels of the last group) are zeros.
 
 int8 (a drafter's weights where the CPU has AMX-INT8 or AVX-512 VNNI, native/forward.py): each output column
 scaled by max |w| / 127 and rounded, [ceil(O/16/G), I/4, G, 16, 4] (the quads of inputs TDPBSSD and VPDPBUSD

@@ -16,7 +16,7 @@
  *         G = 1 (plain panels) where AMX tiles read them (1 KiB blocks of one panel);
  *   int8: [O/16/G][I/4][G][16][4], the quads VPDPBUSD consumes, grouped as bf16 (G = 1 with AMX tiles);
  *   fp32: [O/16][I][16].
- * O is padded to whole panels (and bf16 panels to whole groups) with zero columns, computed and never stored.
+ * O is padded to whole panels (and grouped panels to whole groups) with zero columns, computed and never stored.
  *
  * Every output is computed by the same instructions in the same order whatever M is, wherever the row sits in
  * the call and whichever tile or thread computes it: along I in order (bf16: in chunks of KCHUNK pairs, each
