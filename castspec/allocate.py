@@ -133,10 +133,11 @@ class SharedBudget(Policy):
         return build_forest(logprobs, self.budget, self.top_k_per_position, supports=supports)
 
 
-# Before a drafted round has been measured, batched drafting is skipped only where it could not pay even if every
-# request committed this many tokens per round (twice a plain round's) from the fewest tree nodes that can commit
-# them (PRIOR_TOKENS - 1 per request: every drafted token it commits was verified).
-PRIOR_TOKENS = 2.0
+# Before a drafted round has been measured, batched drafting is priced as one tree node per request whose token is
+# accepted this often (the tokens a request commits: 1 + PRIOR_ACCEPT). Assuming every node accepted made the
+# prior a bound no round reaches, so that under load every batch size paid a catch-up and a few losing rounds to
+# find out what the profile already said (docs/serving.md)
+PRIOR_ACCEPT = 0.5
 # plain rounds of a batch bucket measured before the profile's price of drafting at that batch is trusted
 PLAIN_FIRST = 3
 # drafted rounds of a batch bucket measured before their gain over plain rounds may stop drafting there: one round's
@@ -274,16 +275,16 @@ class CostAware(Policy):
 
     def _steady_rows(self, batch: int) -> int:
         """The context rows a drafted round's pass fuses when its requests drafted the round before: at most what
-        they committed then (a block's rows each). More is context gathered in rounds that did not draft (or a
-        newcomer's prompt), fused once: a catch-up."""
-        return (self.block_rows or int(PRIOR_TOKENS)) * batch
+        they committed then (a block's rows each; two where the block is not known). More is context gathered in
+        rounds that did not draft (or a newcomer's prompt), fused once: a catch-up."""
+        return (self.block_rows or 2) * batch
 
     def draft_could_pay(self, batch: int, context_rows: int = 0, horizon: int | None = None) -> bool:
         """Whether drafted rounds of `batch` requests are predicted to commit more per ms than plain ones, and the
         catch-up of this round's pass is repaid. Once drafted rounds of about this batch have been measured, their gain
         over plain rounds of the same batch decides (`gains`); before, the drafted round priced by the profile (its
         batched drafter pass and verify) at the acceptance drafted rounds have shown per request (tokens and nodes;
-        PRIOR_TOKENS per request from PRIOR_TOKENS - 1 nodes each before any), against the plain round of this batch
+        before any, one node per request accepted PRIOR_ACCEPT of the time), against the plain round of this batch
         priced by the same profile. Acceptance does not depend on the batch; the cost of drafting does (a pass for 16
         requests' blocks is mostly compute). Without batched shapes in the profile, the pass is priced from the
         single-request pass (CostProfile.batch_draft_at); True where nothing prices it. The catch-up: the context rows
@@ -297,7 +298,7 @@ class CostAware(Policy):
                 return True
             prof = self.rule.profile
             prefix = prof.prefix_lens[0]
-            tokens, nodes = (PRIOR_TOKENS, (PRIOR_TOKENS - 1) * batch) if self.request_tokens is None else \
+            tokens, nodes = (1 + PRIOR_ACCEPT, batch) if self.request_tokens is None else \
                 (self.request_tokens, self.request_nodes * batch)
             drafted_ms = (draft + prof.batch_verify_at(batch, batch + nodes, prefix)
                           + prof.batch_host_at(batch, nodes))
