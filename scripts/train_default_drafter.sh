@@ -84,6 +84,13 @@ STEPS19=${STEPS19:-900}
 # leg 20 (v25): v24 continued on every dataset of legs 16-19 at once, the seed-8 data (code and math) listed twice
 RUN20=${RUN20:-runs/drafter-smollm2-v25}
 STEPS20=${STEPS20:-1500}
+# leg 25 (v30): v25 grown to 4 layers, on chat prompts the target writes itself (seed 17), instructions (seed
+# 16) and the training prompts drawn with seed 15 (listed twice), a 4,000-step cosine cycle
+DATA25S=${DATA25S:-data/smollm2-bf16-self-s17}
+DATA25I=${DATA25I:-data/smollm2-bf16-instr-s16}
+DATA25=${DATA25:-data/smollm2-bf16-greedy-s15}
+RUN25=${RUN25:-runs/drafter-smollm2-v30-4l}
+STEPS25=${STEPS25:-4000}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -107,6 +114,9 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA17F" --batch-size 24 --seed 12 --follow-up "$DATA16I"
   $CLI make-data --out "$DATA19I" --batch-size 24 --seed 13 --prompts instructions
   $CLI make-data --out "$DATA19F" --batch-size 24 --seed 13 --follow-up "$DATA17I"
+  $CLI make-data --out "$DATA25S" --batch-size 24 --seed 17 --prompts self
+  $CLI make-data --out "$DATA25I" --batch-size 24 --seed 16 --prompts instructions
+  $CLI make-data --out "$DATA25" --batch-size 24 --seed 15
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -181,7 +191,11 @@ $CLI train-drafter --data "$DATA16I,$DATA16IT,$DATA17I,$DATA17F,$DATA19I,$DATA19
     --out "$RUN20" --layers 3 --block-size 8 --seqs-per-step 4 --anchors 128 --lr 1.2e-4 --gamma 3 --kl-weight 0.5 \
     --norm-init ones --init-from "$RUN19/drafter" --draft-vocab "$RUN19/drafter" --steps "$STEPS20" \
     --checkpoint-every 25 --export-every 750 --eval-per-domain 4
-# 18. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 18. leg 25: v25 grown by a fourth layer, trained on the three new datasets (the seed-15 data twice)
+$CLI train-drafter --data "$DATA25S,$DATA25I,$DATA25,$DATA25" --out "$RUN25" --layers 4 --block-size 8 \
+    --seqs-per-step 4 --anchors 128 --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN20/drafter" \
+    --draft-vocab "$RUN20/drafter" --steps "$STEPS25" --checkpoint-every 25 --export-every 1000 --eval-per-domain 4
+# 19. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN20/drafter/config.json" "$RUN20/drafter/model.safetensors" "$RUN20/drafter/draft_vocab.safetensors" \
+cp "$RUN25/drafter/config.json" "$RUN25/drafter/model.safetensors" "$RUN25/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
