@@ -519,6 +519,13 @@ def test_self_written_prompts_are_the_targets_whole_distinct_user_turns(tmp_path
     assert 0 < len(expect) < 40 and len(whole) < 40  # some turns were cut off, some kept
     assert [(p.id, p.text) for p in prompts] == expect
     assert all(p.domain == "chat" and p.source == "self" and p.chat for p in prompts)
+    # a lead: the turns begin with it, the target writes the rest from there
+    led = self_written_prompts(target, tok, 40, seed=4, stop_ids={0}, temperature=1.0, max_tokens=8, lead="w5 ")
+    start = tok("<user> w5 ", add_special_tokens=False)["input_ids"]
+    raw = [batched_generate(target, [start], 8, {0}, 1.0, seeds=[mix_seed(4, k)])[0] for k in range(40)]
+    texts = {f"self/4/{k}": ("w5 " + tok.decode(ids, skip_special_tokens=True)).strip() for k, ids in enumerate(raw)}
+    assert led and all(p.text.startswith("w5") and p.text == texts[p.id] for p in led)
+    assert [p.text for p in led] != [p.text for p in prompts]
 
 
 def test_make_data_self_written_prompts_are_kept_and_followed_up(tmp_path, capsys):
@@ -536,6 +543,7 @@ def test_make_data_self_written_prompts_are_kept_and_followed_up(tmp_path, capsy
     assert main(["make-data", "--out", str(tmp_path / "d"), "--prompts", "self", "--max-prompts", "30"] + args) == 0
     assert load_prompts(tmp_path / "d" / PROMPTS_FILE) == kept and load_records(tmp_path / "d") == records
     assert main(["make-data", "--out", str(tmp_path / "f"), "--follow-up", str(tmp_path / "d")] + args) == 0
+    assert main(["make-data", "--out", str(tmp_path / "g"), "--self-lead", "w3"] + args) == 2  # not --prompts self
     second = load_records(tmp_path / "f")
     assert [r["id"].rsplit("/", 2)[0] for r in second] == [p.id for p in kept]
     capsys.readouterr()
