@@ -519,13 +519,14 @@ def test_self_written_prompts_are_the_targets_whole_distinct_user_turns(tmp_path
     assert 0 < len(expect) < 40 and len(whole) < 40  # some turns were cut off, some kept
     assert [(p.id, p.text) for p in prompts] == expect
     assert all(p.domain == "chat" and p.source == "self" and p.chat for p in prompts)
-    # a lead: the turns begin with it, the target writes the rest from there
-    led = self_written_prompts(target, tok, 40, seed=4, stop_ids={0}, temperature=1.0, max_tokens=8, lead="w5 ")
-    start = tok("<user> w5 ", add_special_tokens=False)["input_ids"]
-    raw = [batched_generate(target, [start], 8, {0}, 1.0, seeds=[mix_seed(4, k)])[0] for k in range(40)]
-    texts = {f"self/4/{k}": ("w5 " + tok.decode(ids, skip_special_tokens=True)).strip() for k, ids in enumerate(raw)}
-    assert led and all(p.text.startswith("w5") and p.text == texts[p.id] for p in led)
-    assert [p.text for p in led] != [p.text for p in prompts]
+    # leads, taken in turn: the turns begin with theirs, the target writes the rest from there
+    leads = ("w5 ", "w6 w7 ")
+    led = self_written_prompts(target, tok, 40, seed=4, stop_ids={0}, temperature=1.0, max_tokens=8, leads=leads)
+    starts = [tok("<user> " + lead, add_special_tokens=False)["input_ids"] for lead in leads]
+    raw = [batched_generate(target, [starts[k % 2]], 8, {0}, 1.0, seeds=[mix_seed(4, k)])[0] for k in range(40)]
+    texts = {f"self/4/{k}": (leads[k % 2] + tok.decode(ids, skip_special_tokens=True)).strip()
+             for k, ids in enumerate(raw)}
+    assert {p.text.split()[0] for p in led} == {"w5", "w6"} and all(p.text == texts[p.id] for p in led)
 
 
 def test_make_data_self_written_prompts_are_kept_and_followed_up(tmp_path, capsys):

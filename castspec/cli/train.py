@@ -141,7 +141,8 @@ def _datagen_prompts(args, loaded, stop: set[int]) -> list:
         path = Path(args.out_data) / PROMPTS_FILE
         if not path.exists():
             save_prompts(path, self_written_prompts(loaded.model, tokenizer, args.max_prompts or SELF_WRITTEN_PER_SEED,
-                                                    args.seed, stop, batch_size=args.batch_size, lead=args.self_lead))
+                                                    args.seed, stop, batch_size=args.batch_size,
+                                                    leads=tuple(args.self_lead.split("|"))))
         return load_prompts(path)
     if not args.follow_up:
         return prompt_family(args.prompts, args.seed)
@@ -234,8 +235,9 @@ def _add_datagen_args(p) -> None:
                         "puzzles, extraction, comparisons, plans, constrained writing (castspec/prompts.py); self: "
                         "chat prompts the target writes itself, kept in OUT/prompts.jsonl")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
-    p.add_argument("--self-lead", default="", help="--prompts self: the first words of every user turn drawn "
-                                                   "(e.g. 'Write'); the target writes the rest")
+    p.add_argument("--self-lead", default="", help="--prompts self: the first words of the user turns drawn, "
+                                                   "'|' between several taken in turn (e.g. 'Write a letter|Draft "
+                                                   "an email'); the target writes the rest")
     p.add_argument("--follow-up", default=None, metavar="DIR",
                    help="multi-turn data: the prompts are a second user turn of our own after each of the "
                         "target's answers in DIR (a make-data dataset of first turns)")

@@ -97,23 +97,25 @@ PROMPTS_FILE = "prompts.jsonl"  # the prompts a dataset of self-written ones was
 
 def self_written_prompts(target: Decoder, tokenizer, count: int, seed: int, stop_ids: set[int],
                          temperature: float = 0.8, max_tokens: int = 96, batch_size: int = 24,
-                         lead: str = "") -> list[Prompt]:
+                         leads: tuple[str, ...] = ("",)) -> list[Prompt]:
     """Chat prompts the target writes itself: given only its chat template up to where a user's text begins, an
     instruction-tuned model writes a user's turn like those of the conversations it was tuned on (the Magpie
     recipe, Xu et al. 2024), so the prompts follow the kinds of request its users make rather than our templates.
-    `lead`: the turn's first words, given (e.g. "Write": requests to write something, which free draws seldom
-    make); each prompt is the lead and what the target wrote after it.
+    `leads`: a turn's first words, given, draw k taking leads[k % len(leads)] (e.g. "Write a letter": requests
+    to write prose, which free draws seldom make; "Write" alone draws mostly code); each prompt is its lead and
+    what the target wrote after it.
     `count` draws sampled at `temperature` (seeded by `seed` and the draw); kept: the distinct ones (case aside)
     that end their turn at a stop id within `max_tokens` and have at least three words, each where first drawn."""
     template = tokenizer.apply_chat_template([{"role": "user", "content": _USER_TEXT}], tokenize=False)
-    start = tokenizer(template[:template.index(_USER_TEXT)] + lead, add_special_tokens=False)["input_ids"]
-    turns = batched_generate(target, [list(start)] * count, max_tokens, stop_ids, temperature,
-                             seeds=[mix_seed(seed, k) for k in range(count)], batch_size=batch_size)
+    head = template[:template.index(_USER_TEXT)]
+    starts = [tokenizer(head + lead, add_special_tokens=False)["input_ids"] for lead in leads]
+    turns = batched_generate(target, [list(starts[k % len(leads)]) for k in range(count)], max_tokens, stop_ids,
+                             temperature, seeds=[mix_seed(seed, k) for k in range(count)], batch_size=batch_size)
     out, seen = [], set()
     for k, ids in enumerate(turns):
         if not ids or ids[-1] not in stop_ids:
             continue  # cut off at max_tokens: not a whole turn
-        text = (lead + tokenizer.decode(ids, skip_special_tokens=True)).strip()
+        text = (leads[k % len(leads)] + tokenizer.decode(ids, skip_special_tokens=True)).strip()
         if len(text.split()) >= 3 and text.lower() not in seen:
             seen.add(text.lower())
             out.append(Prompt("chat", SELF_WRITTEN, text, f"{SELF_WRITTEN}/{seed}/{k}"))
