@@ -247,6 +247,7 @@ class CostAware(Policy):
         self.gains_seen: dict[int, int] = {}  # drafted rounds measured per batch bucket
         self.reached: dict[int, int] = {}  # per batch bucket: the deepest tree of its last drafted round
         self._pass_prices: dict[int, tuple[float | None, float]] = {}  # batch -> the profile's pass, context row
+        self._gains_priced: dict[int, tuple[float, float, float]] = {}  # batch -> tokens, nodes, priced gain
         self._context_rows = 0  # the context rows of the round last decided on (should_draft)
         self._measure_next = False  # under load: the last drafted round caught up (its gain not measured)
 
@@ -296,21 +297,30 @@ class CostAware(Policy):
         if gain is None:
             if draft is None:
                 return True
-            prof = self.rule.profile
-            prefix = prof.prefix_lens[0]
-            tokens, nodes = (1 + PRIOR_ACCEPT, batch) if self.request_tokens is None else \
-                (self.request_tokens, self.request_nodes * batch)
-            drafted_ms = (draft + prof.batch_verify_at(batch, batch + nodes, prefix)
-                          + prof.batch_host_at(batch, nodes))
-            # both rounds as the profile prices them: its level can be off (probed in another phase of a shared
-            # machine's speed), its ratios much less
-            gain = batch * tokens / max(drafted_ms, 1e-6) / self._priced_plain_rate(batch)
+            gain = self._priced_gain(batch, draft)
         if gain < 1.0:
             return False
         catch_up = max(context_rows - self._steady_rows(batch), 0) * row_ms
         if not catch_up or horizon is None:
             return True
         return catch_up <= horizon / self._batch_plain_rate(batch) * (1.0 - 1.0 / gain)  # ms saved over it
+
+    def _priced_gain(self, batch: int, draft: float) -> float:
+        """A drafted round of `batch` requests over a plain one, both as the profile prices them (its level can be
+        off, probed in another phase of a shared machine's speed; its ratios much less), at the acceptance seen so
+        far. Kept per batch until that acceptance changes: under load it is asked every plain round, and pricing
+        is a few interpolations of the profile."""
+        tokens, nodes = (1 + PRIOR_ACCEPT, batch) if self.request_tokens is None else \
+            (self.request_tokens, self.request_nodes * batch)
+        kept = self._gains_priced.get(batch)
+        if kept is not None and kept[:2] == (tokens, nodes):
+            return kept[2]
+        prof = self.rule.profile
+        prefix = prof.prefix_lens[0]
+        drafted_ms = draft + prof.batch_verify_at(batch, batch + nodes, prefix) + prof.batch_host_at(batch, nodes)
+        gain = batch * tokens / max(drafted_ms, 1e-6) / self._priced_plain_rate(batch)
+        self._gains_priced[batch] = (tokens, nodes, gain)
+        return gain
 
     def should_draft(self, batch: int = 1, context_rows: int = 0, prefilling: bool = False,
                      horizon: int | None = None) -> bool:
