@@ -193,8 +193,9 @@ $CLI train-drafter --data "$DATA16I,$DATA16IT,$DATA17I,$DATA17F,$DATA19I,$DATA19
     --checkpoint-every 25 --export-every 750 --eval-per-domain 4
 # 18. leg 25: v25 grown by a fourth layer, trained on the three new datasets (the seed-15 data twice)
 $CLI train-drafter --data "$DATA25S,$DATA25I,$DATA25,$DATA25" --out "$RUN25" --layers 4 --block-size 8 \
-    --seqs-per-step 4 --anchors 128 --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones --init-from "$RUN20/drafter" \
-    --draft-vocab "$RUN20/drafter" --steps "$STEPS25" --checkpoint-every 25 --export-every 1000 --eval-per-domain 4
+    --seqs-per-step 4 --anchors 128 --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones \
+    --init-from "$RUN20/drafter" --draft-vocab "$RUN20/drafter" --steps "$STEPS25" --checkpoint-every 25 \
+    --export-every 1000 --eval-per-domain 4
 # 19. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
 cp "$RUN25/drafter/config.json" "$RUN25/drafter/model.safetensors" "$RUN25/drafter/draft_vocab.safetensors" \

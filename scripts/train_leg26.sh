@@ -2,11 +2,12 @@
 # Issue 17's leg 26 (docs/training.md): the shipped drafter (v30, 4 layers) continued on requests for prose the
 # target writes itself (make-data --prompts self with leads such as "Write a letter": the kind of chat prompt the
 # held-out set's MT-Bench questions are, and the domain where the chain is furthest from its target; "Write"
-# alone draws mostly code) with leg 25's chat and instruction data, to ask whether chat's acceptance moves with data of its own kind. Every step resumes where it
+# alone draws mostly code) with leg 25's chat and instruction data, to ask whether chat's acceptance moves with data
+# of its own kind. Every step resumes where it
 # stopped: rerun the same command after an interruption (make-data skips the shards it has written,
 # train-drafter resumes from its last checkpoint).
-#   scripts/train_leg26.sh                  # all of it (the data ~15 min, the training ~1 h on 2 cores)
-#   STEPS_NOW=600 scripts/train_leg26.sh    # stop the training after 600 steps (resumable)
+#   scripts/train_leg26.sh                 # all of it (the data ~15 min, the training ~1 h on 2 cores)
+#   STEPS_NOW=600 scripts/train_leg26.sh   # stop the training after 600 steps (resumable)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLI=${CLI:-.venv/bin/castspec}
