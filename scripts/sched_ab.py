@@ -19,10 +19,9 @@ import time
 import torch
 
 import castspec
-from castspec.allocate import PolicySpec
+from castspec.bench.load_rounds import closed_loop_scheduler, submit_closed
 from castspec.round import warm_up
 from castspec.serving.loadtest import load_messages
-from castspec.serving.scheduler import Request, SchedulerConfig
 
 
 def main() -> None:
@@ -37,18 +36,14 @@ def main() -> None:
     messages = load_messages(8)
     runs = {}
     for name in args.policies.split(","):
-        spec = PolicySpec.parse(name)
-        sched = engine.scheduler(SchedulerConfig(max_batch=args.batch, max_queue=max(64, args.requests),
-                                                 policy=spec.policy, width=spec.width), spec.method)
+        sched, method = closed_loop_scheduler(engine, name, args.batch, args.requests)
         rounds: list = []
         sched.on_round = rounds.append
         warm_up(engine.target, sched.drafter)
-        runs[name] = {"sched": sched, "method": spec.method, "rounds": rounds, "done": [], "step_ms": 0.0}
+        runs[name] = {"sched": sched, "method": method, "rounds": rounds, "done": [], "step_ms": 0.0}
 
     def submit(run, i) -> None:
-        ids = engine.encode(messages=messages[i % len(messages)])
-        cfg = engine.config(method=run["method"], max_new_tokens=args.max_tokens, stop_token_ids=())
-        run["sched"].submit(Request(list(ids), cfg, lambda _t: None, lambda reason, _e: run["done"].append(reason)))
+        submit_closed(engine, run["sched"], run["method"], messages, i, args.max_tokens, run["done"])
 
     with torch.inference_mode():
         if args.b1_first:

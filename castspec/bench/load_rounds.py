@@ -33,16 +33,31 @@ from ..serving.scheduler import Request, SchedulerConfig
 from ..serving.server import create_app
 
 
+def closed_loop_scheduler(engine, spec: str, batch: int, requests: int,
+                          prefix_cache_mb: float = SchedulerConfig.prefix_cache_mb):
+    """The scheduler a closed loop of `requests` requests on `batch` slots runs on, for a load test policy `spec`
+    (ar, chain, cost, fixed:N, ...); and its decoding method."""
+    parsed = PolicySpec.parse(spec)
+    return engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=parsed.policy,
+                                            width=parsed.width, prefix_cache_mb=prefix_cache_mb),
+                            parsed.method), parsed.method
+
+
+def submit_closed(engine, sched, method: str, messages: list, i: int, max_tokens: int, done: list) -> None:
+    """Request i of a closed loop (the load test's messages in its order), run to max_tokens as the load test's
+    are; its finish reason is appended to `done`."""
+    ids = engine.encode(messages=messages[i % len(messages)])
+    cfg = engine.config(method=method, max_new_tokens=max_tokens, stop_token_ids=())
+    sched.submit(Request(list(ids), cfg, lambda _t: None, lambda reason, _e: done.append(reason)))
+
+
 def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: bool = False,
         prefix_cache_mb: float = SchedulerConfig.prefix_cache_mb) -> dict:
     """One closed loop; `spec` is a load test policy (ar, chain, cost, fixed:N, ...) or "<policy>-plain" (never
     drafts). `http`: through the load test's clients and server instead of stepping the scheduler here.
     `prefix_cache_mb`: the scheduler's kept prompt prefixes (0: every prompt read whole)."""
-    parsed = PolicySpec.parse(spec.removesuffix("-plain"))
-    method = parsed.method
     messages = load_messages(8)  # the load test's, in its order
-    sched = engine.scheduler(SchedulerConfig(max_batch=batch, max_queue=max(64, requests), policy=parsed.policy,
-                                             width=parsed.width, prefix_cache_mb=prefix_cache_mb), method)
+    sched, method = closed_loop_scheduler(engine, spec.removesuffix("-plain"), batch, requests, prefix_cache_mb)
     if spec.endswith("-plain"):
         sched.policy.should_draft = lambda *_, **__: False  # this run's policy object only
     rounds, done = [], []
@@ -62,10 +77,7 @@ def run(engine, spec: str, batch: int, requests: int, max_tokens: int, http: boo
         return summary(spec, batch, requests, res["tokens"], res["wall_s"], rounds) | {"http": True}
     warm_up(engine.target, sched.drafter)  # one-time costs, which Scheduler.run pays before serving
     for i in range(requests):
-        ids = engine.encode(messages=messages[i % len(messages)])
-        # every request runs to max_tokens, as the load test's do
-        cfg = engine.config(method=method, max_new_tokens=max_tokens, stop_token_ids=())
-        sched.submit(Request(list(ids), cfg, lambda _t: None, lambda reason, _e: done.append(reason)))
+        submit_closed(engine, sched, method, messages, i, max_tokens, done)
     t = time.perf_counter()
     with torch.inference_mode():
         while len(done) < requests:
