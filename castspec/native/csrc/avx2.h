@@ -120,6 +120,13 @@ CS_INLINE cs_si cs_512_maskz_loadu_epi16(cs_mask32 k, const void *p) {
 CS_INLINE cs_si cs_loadu_si512(const void *p) {
     return (cs_si){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
 }
+/* VPUNPCKLWD / VPUNPCKHWD: 16-bit elements interleaved within each 128-bit lane, as AVX2's on each half. */
+CS_INLINE cs_si cs_unpacklo_epi16(cs_si a, cs_si b) {
+    return (cs_si){_mm256_unpacklo_epi16(a.lo, b.lo), _mm256_unpacklo_epi16(a.hi, b.hi)};
+}
+CS_INLINE cs_si cs_unpackhi_epi16(cs_si a, cs_si b) {
+    return (cs_si){_mm256_unpackhi_epi16(a.lo, b.lo), _mm256_unpackhi_epi16(a.hi, b.hi)};
+}
 CS_INLINE cs_si cs_set1_epi32(int x) { return (cs_si){_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 CS_INLINE cs_si cs_setr_epi32(int a0, int a1, int a2, int a3, int a4, int a5, int a6, int a7, int b0, int b1,
                               int b2, int b3, int b4, int b5, int b6, int b7) {
@@ -242,6 +249,8 @@ CS_INLINE float cs_reduce_max_ps(cs_ps a) { /* MAXPS(x, y): y when either is NaN
 #define _mm512_maskz_loadu_epi16 cs_512_maskz_loadu_epi16
 #define _mm512_loadu_si512 cs_loadu_si512
 #define _mm512_set1_epi32 cs_set1_epi32
+#define _mm512_unpacklo_epi16 cs_unpacklo_epi16
+#define _mm512_unpackhi_epi16 cs_unpackhi_epi16
 #undef _mm512_setr_epi32 /* a macro in GCC's header */
 #define _mm512_setr_epi32 cs_setr_epi32
 #define _mm512_slli_epi32 cs_slli_epi32

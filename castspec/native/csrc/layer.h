@@ -246,14 +246,78 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, i
             _mm512_storeu_ps(out + (int64_t)h * d + i0 + 16 * k, _mm512_mul_ps(o[h][k], _mm512_set1_ps(inv[h])));
 }
 
+/* weigh_values with bf16 values and weights (pb: H rows of pstride bf16 weights, zero at n when n is odd):
+ * VDPBF16PS over pairs of keys, as the model's own bf16 probs @ v rounds the weights. Each 32-element block of
+ * two keys' values is interleaved element by element (within 128-bit lanes), so that a lane holds one element of
+ * both keys; each head's accumulators then hold the block's elements in that order, and are put back in order at
+ * the end. C (even) counts 16-element vectors, as in weigh_values. */
+static inline __attribute__((always_inline)) void weigh_values_bh(const uint16_t *pb, int64_t pstride, int H,
+                                                                  int C, const uint16_t *V, int n,
+                                                                  const int32_t *keys, int d, int i0,
+                                                                  const float *inv, float *out) {
+    __m512 o[4][8];
+    UNROLL_LOOP(4) for (int h = 0; h < H; ++h) UNROLL_LOOP(8) for (int k = 0; k < C; ++k) o[h][k] = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 2) {
+        const int64_t v0 = (int64_t)(keys ? keys[j] : j) * d + i0;
+        const int64_t v1 = j + 1 < n ? (int64_t)(keys ? keys[j + 1] : j + 1) * d + i0 : -1;
+        __m512i lo[4], hi[4];
+        UNROLL_LOOP(4) for (int b = 0; b < C / 2; ++b) {
+            const __m512i a = _mm512_loadu_si512(V + v0 + 32 * b);
+            const __m512i c = v1 >= 0 ? _mm512_loadu_si512(V + v1 + 32 * b) : _mm512_set1_epi32(0);
+            lo[b] = _mm512_unpacklo_epi16(a, c);
+            hi[b] = _mm512_unpackhi_epi16(a, c);
+        }
+        UNROLL_LOOP(4) for (int h = 0; h < H; ++h) {
+            uint32_t pair;
+            memcpy(&pair, pb + h * pstride + j, sizeof pair);
+            const __m512bh w = AS_BH(_mm512_set1_epi32((int)pair));
+            UNROLL_LOOP(4) for (int b = 0; b < C / 2; ++b) {
+                o[h][2 * b] = _mm512_dpbf16_ps(o[h][2 * b], w, AS_BH(lo[b]));
+                o[h][2 * b + 1] = _mm512_dpbf16_ps(o[h][2 * b + 1], w, AS_BH(hi[b]));
+            }
+        }
+    }
+    UNROLL_LOOP(4) for (int h = 0; h < H; ++h)
+        UNROLL_LOOP(4) for (int b = 0; b < C / 2; ++b) {
+            /* lo holds elements 0-3, 8-11, 16-19, 24-27 of the block, hi 4-7, 12-15, 20-23, 28-31 */
+            const __m512 a = _mm512_shuffle_f32x4(o[h][2 * b], o[h][2 * b + 1], 0x44); /* lo 0-1, hi 0-1 */
+            const __m512 c = _mm512_shuffle_f32x4(o[h][2 * b], o[h][2 * b + 1], 0xEE); /* lo 2-3, hi 2-3 */
+            const __m512 s = _mm512_set1_ps(inv[h]);
+            float *dst = out + (int64_t)h * d + i0 + 32 * b;
+            _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_shuffle_f32x4(a, a, 0xD8), s));
+            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(c, c, 0xD8), s));
+        }
+}
+
 /* Heads [0, G) of the weighted sum, over blocks of up to 8 vectors of d, in groups of heads that fit the
  * registers; any other shape head by head through the same code. */
 static inline __attribute__((always_inline)) void weigh_all(const float *p, int64_t pstride, int G, const void *V,
-                                                            int bf, int n, const int32_t *keys, int d,
+                                                            int bf, int bh, int n, const int32_t *keys, int d,
                                                             const float *inv, float *out) {
     for (int i0 = 0; i0 < d; i0 += 128) {
         const int C = d - i0 < 128 ? (d - i0) / 16 : 8;
         int h = 0;
+        if (bh) { /* C is even: d is a multiple of 32 */
+            const uint16_t *pb = (const uint16_t *)p;
+#define WEIGH_BH(HH, CC)                                                                                      \
+    weigh_values_bh(pb + 2 * h * pstride, 2 * pstride, HH, CC, (const uint16_t *)V, n, keys, d, i0, inv + h, \
+                    out + (int64_t)h * d)
+            if (C == 4)
+                for (; h + 4 <= G; h += 4) WEIGH_BH(4, 4);
+            if (C == 4 && G - h == 3) { WEIGH_BH(3, 4); h += 3; }
+            if (C == 4 && G - h == 2) { WEIGH_BH(2, 4); h += 2; }
+            if (C == 8)
+                for (; h + 3 <= G; h += 3) WEIGH_BH(3, 8);
+            if (C == 8 && G - h == 2) { WEIGH_BH(2, 8); h += 2; }
+            for (; h < G; ++h) switch (C) {
+                case 8: WEIGH_BH(1, 8); break;
+                case 6: WEIGH_BH(1, 6); break;
+                case 4: WEIGH_BH(1, 4); break;
+                default: WEIGH_BH(1, 2); break;
+                }
+#undef WEIGH_BH
+            continue;
+        }
 #define WEIGH(HH, CC) \
     weigh_values(p + h * pstride, pstride, HH, CC, V, bf, n, keys, d, i0, inv + h, out + (int64_t)h * d)
         if (C == 4)
@@ -278,15 +342,18 @@ static inline __attribute__((always_inline)) void weigh_all(const float *p, int6
 }
 
 /* The scores of HG query heads (q: HG rows of d) against the keys [c0, c0 + w) of a 16-key chunk (slots
- * keys[c0 + j], or c0 + j without a list), unscaled, into sc[0, HG): for each head and key the d/16 lane-wise
+ * keys[c0 + j], or c0 + j without a list), unscaled, into sc[0, HG): for each head and key its lane-wise partial
  * products summed in order (key j >= w: zero), then hsum16 of the chunk's sixteen: exactly those operations,
  * with each key's vectors loaded once for all HG heads, and hsum16's levels run as the keys come (two keys'
- * sums folded at once), so that a head's partial tree holds few registers. HG and d are constants at the call
- * sites (the loops unroll, the query rows stay in registers where they fit). */
-static inline __attribute__((always_inline)) void score_chunk(const float *q, int HG, const void *K, int bf,
-                                                              const int32_t *keys, int c0, int w, int d,
-                                                              __m512 *sc) {
-    const int nv = d / 16;
+ * sums folded at once), so that a head's partial tree holds few registers. With bh, the keys are bf16 and the
+ * queries too (qh: HG rows of d, rounded once by the caller): each lane takes a pair of dimensions per
+ * VDPBF16PS, as the model's own bf16 q @ k^T rounds the query, with no widening of the keys; otherwise q is
+ * fp32 and each lane one dimension per FMA, the keys widened. HG, d and bh are constants at the call sites
+ * (the loops unroll, the query rows stay in registers where they fit). */
+static inline __attribute__((always_inline)) void score_chunk(const float *q, const uint16_t *qh, int bh, int HG,
+                                                              const void *K, int bf, const int32_t *keys, int c0,
+                                                              int w, int d, __m512 *sc) {
+    const int nv = bh ? d / 32 : d / 16;
     __m512 t[4], u[4], o[4];
     UNROLL_LOOP(8) for (int kp = 0; kp < 8; ++kp) {
         __m512 acc[4][2];
@@ -295,7 +362,12 @@ static inline __attribute__((always_inline)) void score_chunk(const float *q, in
             UNROLL_LOOP(4) for (int g = 0; g < HG; ++g) acc[g][e] = _mm512_setzero_ps();
             if (j < w) {
                 const int64_t key = (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
-                UNROLL_LOOP(8) for (int i = 0; i < nv; ++i) {
+                if (bh) UNROLL_LOOP(4) for (int i = 0; i < nv; ++i) {
+                    const __m512bh k = AS_BH(_mm512_loadu_si512((const uint16_t *)K + key + 32 * i));
+                    UNROLL_LOOP(4) for (int g = 0; g < HG; ++g)
+                        acc[g][e] = _mm512_dpbf16_ps(acc[g][e], AS_BH(_mm512_loadu_si512(qh + (int64_t)g * d + 32 * i)), k);
+                }
+                else UNROLL_LOOP(8) for (int i = 0; i < nv; ++i) {
                     const __m512 k = kv16(K, key + 16 * i, bf);
                     UNROLL_LOOP(4) for (int g = 0; g < HG; ++g)
                         acc[g][e] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (int64_t)g * d + 16 * i), k, acc[g][e]);
@@ -325,7 +397,12 @@ static inline __attribute__((always_inline)) void score_chunk(const float *q, in
  * ordered keys, never on the slots they occupy or on keys the row does not see: a tree row (prefix and
  * ancestors, parents first) computes exactly what the decode step at its position computes over slots
  * 0..pos. Each head computes the same bits whatever G is: the heads share the loads of each key and value,
- * nothing else. */
+ * nothing else.
+ *
+ * A bf16 cache (d a multiple of 32) multiplies in bf16, as the model's own bf16 attention rounds its query and
+ * its weights: the query and the softmax's exponentials (before the division by their sum) rounded to bf16,
+ * each multiplied with the keys or values by VDPBF16PS (two dimensions, or two keys, per lane), sums in fp32;
+ * half the instructions of widening the cache to fp32. */
 static inline __attribute__((always_inline)) void attend_heads_as(const float *q, int G, const void *K,
                                                                   const void *V, int bf, int n,
                                                                   const int32_t *keys, int d, float scale, float *p,
@@ -333,6 +410,10 @@ static inline __attribute__((always_inline)) void attend_heads_as(const float *q
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 vmax[64];
     for (int g = 0; g < G; ++g) vmax[g] = ninf;
+    /* bf16 keys: the queries rounded to bf16 once, for VDPBF16PS (score_chunk) */
+    const int bh = bf && d % 32 == 0;
+    uint16_t qh[bh ? G * d : 1];
+    if (bh) to_model(q, qh, (int64_t)G * d);
     for (int c0 = 0; c0 < n; c0 += 16) {
         const int w = n - c0 < 16 ? n - c0 : 16;
         for (int g0 = 0; g0 < G; g0 += 4) { /* up to four heads at a time share each key's loads */
@@ -341,9 +422,13 @@ static inline __attribute__((always_inline)) void attend_heads_as(const float *q
             __m512 sc[4];
 #define SCORES(HG)                                                                      \
     do {                                                                                \
-        if (d == 64) score_chunk(qg, HG, K, bf, keys, c0, w, 64, sc);                   \
-        else if (d == 128) score_chunk(qg, HG, K, bf, keys, c0, w, 128, sc);            \
-        else score_chunk(qg, HG, K, bf, keys, c0, w, d, sc);                            \
+        const uint16_t *qhg = qh + (int64_t)g0 * d;                                     \
+        if (bh && d == 64) score_chunk(qg, qhg, 1, HG, K, bf, keys, c0, w, 64, sc);     \
+        else if (bh && d == 128) score_chunk(qg, qhg, 1, HG, K, bf, keys, c0, w, 128, sc); \
+        else if (bh) score_chunk(qg, qhg, 1, HG, K, bf, keys, c0, w, d, sc);            \
+        else if (d == 64) score_chunk(qg, qhg, 0, HG, K, bf, keys, c0, w, 64, sc);      \
+        else if (d == 128) score_chunk(qg, qhg, 0, HG, K, bf, keys, c0, w, 128, sc);    \
+        else score_chunk(qg, qhg, 0, HG, K, bf, keys, c0, w, d, sc);                    \
     } while (0)
             switch (hg) {
                 case 4: SCORES(4); break;
@@ -367,12 +452,15 @@ static inline __attribute__((always_inline)) void attend_heads_as(const float *q
         __m512 vsum = _mm512_setzero_ps();
         for (int c0 = 0; c0 < n; c0 += 16) {
             const __m512 e = _mm512_maskz_mov_ps(lanes(n, c0), exp16(_mm512_sub_ps(_mm512_loadu_ps(pg + c0), mx)));
-            _mm512_storeu_ps(pg + c0, e);
+            /* bf16 weights (weigh_values_bh): written over the front of the head's row of scratch, behind what
+             * is still to be read; all sixteen lanes, so that the weight after the last key is zero */
+            if (bh) _mm256_storeu_si256((__m256i *)((uint16_t *)pg + c0), narrow(e));
+            else _mm512_storeu_ps(pg + c0, e);
             vsum = _mm512_add_ps(vsum, e);
         }
         inv[g] = 1.f / _mm512_reduce_add_ps(vsum);
     }
-    weigh_all(p, pstride, G, V, bf, n, keys, d, inv, out);
+    weigh_all(p, pstride, G, V, bf, bh, n, keys, d, inv, out);
 }
 
 /* attend_heads_as over a cache of bf16 (bf) or fp32 keys and values: one copy of the code for each, so that
