@@ -227,9 +227,9 @@ static inline __m512 hsum16(const __m512 *v) {
 /* The values' weighted sum for H heads over one block of C vectors (16 * C output lanes from i0): each head's
  * accumulators run key by key in order, exactly as for that head alone; the heads share each value row's loads
  * and their independent chains keep the FMA units busy. H and C are constants at every call site. */
-static inline __attribute__((always_inline)) void weigh_values(const float *p, int64_t pstride, int H, int C,
-                                                               const void *V, int bf, int n, const int32_t *keys,
-                                                               int d, int i0, const float *inv, float *out) {
+static inline __attribute__((always_inline)) void weigh_widened(const float *p, int64_t pstride, int H, int C,
+                                                                const void *V, int bf, int n, const int32_t *keys,
+                                                                int d, int i0, const float *inv, float *out) {
     __m512 o[4][8];
     UNROLL_LOOP(4) for (int h = 0; h < H; ++h) UNROLL_LOOP(8) for (int k = 0; k < C; ++k) o[h][k] = _mm512_setzero_ps();
     for (int j = 0; j < n; ++j) {
@@ -246,15 +246,14 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, i
             _mm512_storeu_ps(out + (int64_t)h * d + i0 + 16 * k, _mm512_mul_ps(o[h][k], _mm512_set1_ps(inv[h])));
 }
 
-/* weigh_values with bf16 values and weights (pb: H rows of pstride bf16 weights, zero at n when n is odd):
+/* weigh_widened with bf16 values and weights (pb: H rows of pstride bf16 weights, zero at n when n is odd):
  * VDPBF16PS over pairs of keys, as the model's own bf16 probs @ v rounds the weights. Each 32-element block of
  * two keys' values is interleaved element by element (within 128-bit lanes), so that a lane holds one element of
  * both keys; each head's accumulators then hold the block's elements in that order, and are put back in order at
- * the end. C (even) counts 16-element vectors, as in weigh_values. */
-static inline __attribute__((always_inline)) void weigh_values_bh(const uint16_t *pb, int64_t pstride, int H,
-                                                                  int C, const uint16_t *V, int n,
-                                                                  const int32_t *keys, int d, int i0,
-                                                                  const float *inv, float *out) {
+ * the end. C (even) counts 16-element vectors, as in weigh_widened. */
+static inline __attribute__((always_inline)) void weigh_pairs(const uint16_t *pb, int64_t pstride, int H, int C,
+                                                              const uint16_t *V, int n, const int32_t *keys, int d,
+                                                              int i0, const float *inv, float *out) {
     __m512 o[4][8];
     UNROLL_LOOP(4) for (int h = 0; h < H; ++h) UNROLL_LOOP(8) for (int k = 0; k < C; ++k) o[h][k] = _mm512_setzero_ps();
     for (int j = 0; j < n; j += 2) {
@@ -289,6 +288,16 @@ static inline __attribute__((always_inline)) void weigh_values_bh(const uint16_t
         }
 }
 
+/* The weighted sum of H heads' values over one block of C vectors: weigh_pairs where the scores' exponentials were
+ * stored as bf16 (bh: a bf16 cache, d a multiple of 32, so C is even), else weigh_widened. */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, int64_t pstride, int H, int C,
+                                                               const void *V, int bf, int bh, int n,
+                                                               const int32_t *keys, int d, int i0, const float *inv,
+                                                               float *out) {
+    if (bh) weigh_pairs((const uint16_t *)p, 2 * pstride, H, C, (const uint16_t *)V, n, keys, d, i0, inv, out);
+    else weigh_widened(p, pstride, H, C, V, bf, n, keys, d, i0, inv, out);
+}
+
 /* Heads [0, G) of the weighted sum, over blocks of up to 8 vectors of d, in groups of heads that fit the
  * registers; any other shape head by head through the same code. */
 static inline __attribute__((always_inline)) void weigh_all(const float *p, int64_t pstride, int G, const void *V,
@@ -297,29 +306,8 @@ static inline __attribute__((always_inline)) void weigh_all(const float *p, int6
     for (int i0 = 0; i0 < d; i0 += 128) {
         const int C = d - i0 < 128 ? (d - i0) / 16 : 8;
         int h = 0;
-        if (bh) { /* C is even: d is a multiple of 32 */
-            const uint16_t *pb = (const uint16_t *)p;
-#define WEIGH_BH(HH, CC)                                                                                      \
-    weigh_values_bh(pb + 2 * h * pstride, 2 * pstride, HH, CC, (const uint16_t *)V, n, keys, d, i0, inv + h, \
-                    out + (int64_t)h * d)
-            if (C == 4)
-                for (; h + 4 <= G; h += 4) WEIGH_BH(4, 4);
-            if (C == 4 && G - h == 3) { WEIGH_BH(3, 4); h += 3; }
-            if (C == 4 && G - h == 2) { WEIGH_BH(2, 4); h += 2; }
-            if (C == 8)
-                for (; h + 3 <= G; h += 3) WEIGH_BH(3, 8);
-            if (C == 8 && G - h == 2) { WEIGH_BH(2, 8); h += 2; }
-            for (; h < G; ++h) switch (C) {
-                case 8: WEIGH_BH(1, 8); break;
-                case 6: WEIGH_BH(1, 6); break;
-                case 4: WEIGH_BH(1, 4); break;
-                default: WEIGH_BH(1, 2); break;
-                }
-#undef WEIGH_BH
-            continue;
-        }
 #define WEIGH(HH, CC) \
-    weigh_values(p + h * pstride, pstride, HH, CC, V, bf, n, keys, d, i0, inv + h, out + (int64_t)h * d)
+    weigh_values(p + h * pstride, pstride, HH, CC, V, bf, bh, n, keys, d, i0, inv + h, out + (int64_t)h * d)
         if (C == 4)
             for (; h + 4 <= G; h += 4) WEIGH(4, 4);
         if (C == 4 && G - h == 3) { WEIGH(3, 4); h += 3; }
@@ -452,7 +440,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(const float *q
         __m512 vsum = _mm512_setzero_ps();
         for (int c0 = 0; c0 < n; c0 += 16) {
             const __m512 e = _mm512_maskz_mov_ps(lanes(n, c0), exp16(_mm512_sub_ps(_mm512_loadu_ps(pg + c0), mx)));
-            /* bf16 weights (weigh_values_bh): written over the front of the head's row of scratch, behind what
+            /* bf16 weights (weigh_pairs): written over the front of the head's row of scratch, behind what
              * is still to be read; all sixteen lanes, so that the weight after the last key is zero */
             if (bh) _mm256_storeu_si256((__m256i *)((uint16_t *)pg + c0), narrow(e));
             else _mm512_storeu_ps(pg + c0, e);
