@@ -350,15 +350,20 @@ static inline __attribute__((always_inline)) void score_chunk(const float *q, co
             UNROLL_LOOP(4) for (int g = 0; g < HG; ++g) acc[g][e] = _mm512_setzero_ps();
             if (j < w) {
                 const int64_t key = (int64_t)(keys ? keys[c0 + j] : c0 + j) * d;
-                if (bh) UNROLL_LOOP(4) for (int i = 0; i < nv; ++i) {
-                    const __m512bh k = AS_BH(_mm512_loadu_si512((const uint16_t *)K + key + 32 * i));
-                    UNROLL_LOOP(4) for (int g = 0; g < HG; ++g)
-                        acc[g][e] = _mm512_dpbf16_ps(acc[g][e], AS_BH(_mm512_loadu_si512(qh + (int64_t)g * d + 32 * i)), k);
-                }
-                else UNROLL_LOOP(8) for (int i = 0; i < nv; ++i) {
-                    const __m512 k = kv16(K, key + 16 * i, bf);
-                    UNROLL_LOOP(4) for (int g = 0; g < HG; ++g)
-                        acc[g][e] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (int64_t)g * d + 16 * i), k, acc[g][e]);
+                if (bh) {
+                    UNROLL_LOOP(4) for (int i = 0; i < nv; ++i) {
+                        const __m512bh k = AS_BH(_mm512_loadu_si512((const uint16_t *)K + key + 32 * i));
+                        UNROLL_LOOP(4) for (int g = 0; g < HG; ++g) {
+                            const __m512bh qi = AS_BH(_mm512_loadu_si512(qh + (int64_t)g * d + 32 * i));
+                            acc[g][e] = _mm512_dpbf16_ps(acc[g][e], qi, k);
+                        }
+                    }
+                } else {
+                    UNROLL_LOOP(8) for (int i = 0; i < nv; ++i) {
+                        const __m512 k = kv16(K, key + 16 * i, bf);
+                        UNROLL_LOOP(4) for (int g = 0; g < HG; ++g)
+                            acc[g][e] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (int64_t)g * d + 16 * i), k, acc[g][e]);
+                    }
                 }
             }
         }
