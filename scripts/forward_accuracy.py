@@ -1,7 +1,7 @@
 """How close the bf16 forwards' logits are to the fp32 model's: tree-verify logits (32 rows behind real prefixes
 of 128 / 512 / 1,024 tokens of MT-Bench questions) of castspec's native bf16 forward with this build's library and
-with another build's, and of torch's bf16 forward (CASTSPEC_NATIVE=0), each against the same forward in fp32 (mean
-and max |logit difference|, KL(fp32 || bf16) per row, top-1 agreement). Prints JSON.
+with another build's, and of its bf16 forward on torch's kernels (CASTSPEC_NATIVE=0), each against the same
+forward in fp32 (mean and max |logit difference|, KL(fp32 || bf16) per row, top-1 agreement). Prints JSON.
 
     python scripts/forward_accuracy.py --base-lib OTHER.so [--out FILE]
 

@@ -173,8 +173,9 @@ class QKVProjection(nn.Module):
         """q [B,h,T,d] over k/v [B,kv,S,d]; mask is a bool [B|1,1,T,S] (True = visible) or None."""
         # Caches hold the model's dtype. On CPU attention runs in fp32 (activations are, and torch's bf16 CPU
         # attention kernels are an order of magnitude slower than its fp32 ones at decode shapes): the cached
-        # keys and values are widened, as the native forwards widen them; on CUDA q is rounded to the cache's
-        # dtype (CUDA's weaker guarantee).
+        # keys and values are widened (the native forwards multiply a bf16 cache in bf16 instead, with AVX-512 or
+        # AMX tiles: each path computes every forward alike); on CUDA q is rounded to the cache's dtype (CUDA's
+        # weaker guarantee).
         grouped = self.heads != self.kv_heads
         if not q.is_cuda:
             return self._attention(q, k.to(q.dtype), v.to(q.dtype), mask, causal, grouped)

@@ -247,7 +247,7 @@ static inline __attribute__((always_inline)) void weigh_widened(const float *p, 
 }
 
 /* weigh_widened with bf16 values and weights (pb: H rows of pstride bf16 weights, zero at n when n is odd):
- * VDPBF16PS over pairs of keys, as the model's own bf16 probs @ v rounds the weights. Each 32-element block of
+ * VDPBF16PS over pairs of keys, as a bf16 model's probs @ v rounds its weights. Each 32-element block of
  * two keys' values is interleaved element by element (within 128-bit lanes), so that a lane holds one element of
  * both keys; each head's accumulators then hold the block's elements in that order, and are put back in order at
  * the end. C (even) counts 16-element vectors, as in weigh_widened. */
@@ -335,7 +335,7 @@ static inline __attribute__((always_inline)) void weigh_all(const float *p, int6
  * with each key's vectors loaded once for all HG heads, and hsum16's levels run as the keys come (two keys'
  * sums folded at once), so that a head's partial tree holds few registers. With bh, the keys are bf16 and the
  * queries too (qh: HG rows of d, rounded once by the caller): each lane takes a pair of dimensions per
- * VDPBF16PS, as the model's own bf16 q @ k^T rounds the query, with no widening of the keys; otherwise q is
+ * VDPBF16PS, as a bf16 model's q @ k^T rounds its query, with no widening of the keys; otherwise q is
  * fp32 and each lane one dimension per FMA, the keys widened. HG, d and bh are constants at the call sites
  * (the loops unroll, the query rows stay in registers where they fit). */
 static inline __attribute__((always_inline)) void score_chunk(const float *q, const uint16_t *qh, int bh, int HG,
@@ -392,8 +392,8 @@ static inline __attribute__((always_inline)) void score_chunk(const float *q, co
  * 0..pos. Each head computes the same bits whatever G is: the heads share the loads of each key and value,
  * nothing else.
  *
- * A bf16 cache (d a multiple of 32) multiplies in bf16, as the model's own bf16 attention rounds its query and
- * its weights: the query and the softmax's exponentials (before the division by their sum) rounded to bf16,
+ * A bf16 cache (d a multiple of 32) multiplies in bf16, as a bf16 model's attention in transformers rounds its
+ * query and its weights: the query and the softmax's exponentials (before the division by their sum) rounded to bf16,
  * each multiplied with the keys or values by VDPBF16PS (two dimensions, or two keys, per lane), sums in fp32;
  * half the instructions of widening the cache to fp32. */
 static inline __attribute__((always_inline)) void attend_heads_as(const float *q, int G, const void *K,
