@@ -91,6 +91,14 @@ DATA25I=${DATA25I:-data/smollm2-bf16-instr-s16}
 DATA25=${DATA25:-data/smollm2-bf16-greedy-s15}
 RUN25=${RUN25:-runs/drafter-smollm2-v30-4l}
 STEPS25=${STEPS25:-4000}
+# leg 26 (v31): v30 continued on requests for prose the target writes itself (seed 18, twelve leads such as
+# "Write a letter"; listed twice) with leg 25's chat and instructions, a 2,000-step cycle
+DATA26W=${DATA26W:-data/smollm2-bf16-write-s18}
+RUN26=${RUN26:-runs/drafter-smollm2-v31-write}
+LEADS26="Write a blog post|Write an email|Write a short story|Write a letter|Write a poem|Write an essay|Write a speech"
+LEADS26+="|Write a product description|Write a review|Write a dialogue|Draft a|Compose a"
+# leg 27 (v32): v31 continued on that prose (twice), leg 25's chat and instructions and the seed-15 data (twice)
+RUN27=${RUN27:-runs/drafter-smollm2-v32-mix}
 CLI=.venv/bin/castspec
 
 # 1. data: greedy bf16 responses of the target (bf16 is what decoding serves here), decoded in continuous batches
@@ -117,6 +125,7 @@ if [ "${SKIP_DATA:-0}" != 1 ]; then
   $CLI make-data --out "$DATA25S" --batch-size 24 --seed 17 --prompts self
   $CLI make-data --out "$DATA25I" --batch-size 24 --seed 16 --prompts instructions
   $CLI make-data --out "$DATA25" --batch-size 24 --seed 15
+  $CLI make-data --out "$DATA26W" --prompts self --self-lead "$LEADS26" --seed 18 --batch-size 24
 fi
 # 2. training: 2 layers from random init with norms at 1 (the public start), 2 sequences x 64 blocks per step,
 #    and a short-context curriculum: blocks see only the last 8 context rows for 200 steps, the last 64 until
@@ -196,7 +205,17 @@ $CLI train-drafter --data "$DATA25S,$DATA25I,$DATA25,$DATA25" --out "$RUN25" --l
     --seqs-per-step 4 --anchors 128 --lr 1.5e-4 --gamma 3 --kl-weight 0.5 --norm-init ones \
     --init-from "$RUN20/drafter" --draft-vocab "$RUN20/drafter" --steps "$STEPS25" --checkpoint-every 25 \
     --export-every 1000 --eval-per-domain 4
-# 19. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
+# 19. leg 26: v30 continued on the prose requests (twice) with leg 25's chat and instructions
+$CLI train-drafter --data "$DATA26W,$DATA26W,$DATA25S,$DATA25I" --out "$RUN26" --layers 4 --block-size 8 \
+    --seqs-per-step 4 --anchors 128 --lr 1e-4 --gamma 3 --kl-weight 0.5 --norm-init ones \
+    --init-from "$RUN25/drafter" --draft-vocab "$RUN25/drafter" --steps 2000 --checkpoint-every 25 \
+    --export-every 500 --eval-per-domain 4
+# 20. leg 27: v31 continued on the prose beside every kind of leg 25's data
+$CLI train-drafter --data "$DATA26W,$DATA26W,$DATA25S,$DATA25I,$DATA25,$DATA25" --out "$RUN27" --layers 4 \
+    --block-size 8 --seqs-per-step 4 --anchors 128 --lr 1e-4 --gamma 3 --kl-weight 0.5 --norm-init ones \
+    --init-from "$RUN26/drafter" --draft-vocab "$RUN26/drafter" --steps 2000 --checkpoint-every 25 \
+    --export-every 500 --eval-per-domain 4
+# 21. ship: bf16 weights in the public DFlash layout with the draft vocabulary, installed with the package
 mkdir -p castspec/assets/drafter-smollm2-135m
-cp "$RUN25/drafter/config.json" "$RUN25/drafter/model.safetensors" "$RUN25/drafter/draft_vocab.safetensors" \
+cp "$RUN27/drafter/config.json" "$RUN27/drafter/model.safetensors" "$RUN27/drafter/draft_vocab.safetensors" \
     castspec/assets/drafter-smollm2-135m/
