@@ -297,7 +297,7 @@ class CostAware(Policy):
         if gain is None:
             if draft is None:
                 return True
-            gain = self._priced_gain(batch, draft)
+            gain = self._priced_gain(batch)
         if gain < 1.0:
             return False
         catch_up = max(context_rows - self._steady_rows(batch), 0) * row_ms
@@ -305,11 +305,12 @@ class CostAware(Policy):
             return True
         return catch_up <= horizon / self._batch_plain_rate(batch) * (1.0 - 1.0 / gain)  # ms saved over it
 
-    def _priced_gain(self, batch: int, draft: float) -> float:
+    def _priced_gain(self, batch: int) -> float:
         """A drafted round of `batch` requests over a plain one, both as the profile prices them (its level can be
         off, probed in another phase of a shared machine's speed; its ratios much less), at the acceptance seen so
-        far. Kept per batch until that acceptance changes: under load it is asked every plain round, and pricing
-        is a few interpolations of the profile."""
+        far; only where the profile prices the batch's pass (`_prices`, itself kept per batch). Kept per batch until
+        that acceptance changes: under load it is asked every plain round, and pricing is a few interpolations of
+        the profile."""
         tokens, nodes = (1 + PRIOR_ACCEPT, batch) if self.request_tokens is None else \
             (self.request_tokens, self.request_nodes * batch)
         kept = self._gains_priced.get(batch)
@@ -317,7 +318,8 @@ class CostAware(Policy):
             return kept[2]
         prof = self.rule.profile
         prefix = prof.prefix_lens[0]
-        drafted_ms = draft + prof.batch_verify_at(batch, batch + nodes, prefix) + prof.batch_host_at(batch, nodes)
+        drafted_ms = (self._prices(batch)[0] + prof.batch_verify_at(batch, batch + nodes, prefix)
+                      + prof.batch_host_at(batch, nodes))
         gain = batch * tokens / max(drafted_ms, 1e-6) / self._priced_plain_rate(batch)
         self._gains_priced[batch] = (tokens, nodes, gain)
         return gain
