@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from castspec.models import kvcache
 from castspec.models.kvcache import Segment
 from castspec.native import build as native
 from castspec.native import forward as native_step
@@ -24,6 +25,14 @@ from native_support import native_library
 @pytest.fixture
 def lib(monkeypatch):
     yield from native_library(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def zeroed_caches(monkeypatch):
+    """Caches made zeroed (the CPU leaves them as allocated): these tests compare whole caches, the scratch slots
+    a pass writes past its context included, so slots neither side wrote must agree too."""
+    monkeypatch.setattr(kvcache, "storage", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype,
+                                                                                   device=device))
 
 
 CONFIGS = {

@@ -17,12 +17,22 @@ import torch
 from ..native import build as native
 
 
+def storage(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A cache's keys or values. On the CPU a slot is read only once written (the native forwards read the keys a
+    row sees, torch's attention the slots before a forward's end), so the memory is left as allocated: zeroing a
+    serving request's cache, room for a tree included, cost more than its first rounds' writes. Elsewhere zeros:
+    CUDA graphs read whole static caches under a mask, where a masked-off garbage value would still reach the
+    weighted sum (0 x NaN)."""
+    alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+    return alloc(shape, dtype=dtype, device=device)
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype=torch.float32, device="cpu"):
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = storage(shape, dtype, device)
+        self.v = storage(shape, dtype, device)
         self.capacity = capacity
         self.length = 0  # slots [0, length) hold committed entries
         self.owned = True  # its storage is its own (False: lent, and written by other sequences later)
