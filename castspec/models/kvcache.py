@@ -19,8 +19,8 @@ from ..native import build as native
 
 def storage(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A cache's keys or values. On the CPU a slot is read only once written (the native forwards read the keys a
-    row sees, torch's attention the slots before a forward's end), so the memory is left as allocated: zeroing a
-    serving request's cache, room for a tree included, cost more than its first rounds' writes. Elsewhere zeros:
+    row sees, torch's attention the slots before a forward's end), so the memory is left as allocated instead of
+    written once more at a request's admission, room for a tree included. Elsewhere zeros:
     CUDA graphs read whole static caches under a mask, where a masked-off garbage value would still reach the
     weighted sum (0 x NaN)."""
     alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
