@@ -311,6 +311,7 @@ def test_replay_r_runs_on_a_trained_drafter(tiny_data, tmp_path):
     acc = r["top1_accuracy_by_position"]
     assert len(acc) == drafter.cfg.num_draft_positions
     assert acc[0] - 1e-9 <= r["chain"]["x"] - 1 <= sum(acc) + 1e-9
+    assert r["top1_accuracy_by_position_by_domain"] == {"x": acc}  # one domain: the same counts
     # the walk roots each round where the last one ended and weighs by rounds: between 1 and the longest round
     for key in ("chain", "cast@3", "cast@15"):
         assert 1.0 <= r[f"walk/{key}"]["x"] <= drafter.cfg.num_draft_positions + 1

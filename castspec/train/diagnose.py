@@ -41,4 +41,5 @@ def diagnose(target, drafter, records: list[dict], test_records: int = 200, seed
     replay = replay_r(target, drafter, test)
     return {"test_records": len(test), "ngram_top1": ngram_baselines(train, test),
             "drafter_top1_by_position": replay.pop("top1_accuracy_by_position"),
+            "drafter_top1_by_position_by_domain": replay.pop("top1_accuracy_by_position_by_domain"),
             "replay_R": {k: v["mean_of_domains"] for k, v in replay.items()}}

@@ -72,7 +72,8 @@ def replay_r(target: Decoder, drafter: DFlashDrafter, records: list[dict], width
     sums = defaultdict(lambda: defaultdict(float))
     counts = defaultdict(int)
     walked = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # key -> domain -> [tokens, rounds]
-    hits, seen = torch.zeros(L), torch.zeros(L)  # top-1 accuracy per block position (teacher forced)
+    # top-1 accuracy per block position (teacher forced), per domain
+    hits, seen = defaultdict(lambda: torch.zeros(L)), defaultdict(lambda: torch.zeros(L))
     for rec in records:
         prompt, resp = rec["prompt_ids"], rec["response_ids"]
         tokens = torch.tensor(prompt + resp)
@@ -92,8 +93,8 @@ def replay_r(target: Decoder, drafter: DFlashDrafter, records: list[dict], width
 
         for a in range(P, T - 1, stride):
             labels = tokens[a + 1:a + 1 + L]
-            hits[:labels.numel()] += (pred[a - P, :labels.numel()] == labels).float()
-            seen[:labels.numel()] += 1
+            hits[dom][:labels.numel()] += (pred[a - P, :labels.numel()] == labels).float()
+            seen[dom][:labels.numel()] += 1
             if T - a - 1 < 2:  # no drafted position to check
                 continue
             counts[dom] += 1
@@ -114,5 +115,7 @@ def replay_r(target: Decoder, drafter: DFlashDrafter, records: list[dict], width
         out[f"walk/{key}"] = by_domain
     # where a drafter stands before any tree: position 1 should be far above the unigram rate, and above the
     # data's bigram rate (~0.3 on SmolLM2's greedy responses), which the anchor token alone would give
-    out["top1_accuracy_by_position"] = (hits / seen.clamp_min(1)).tolist()
+    all_hits, all_seen = sum(hits.values(), torch.zeros(L)), sum(seen.values(), torch.zeros(L))
+    out["top1_accuracy_by_position"] = (all_hits / all_seen.clamp_min(1)).tolist()
+    out["top1_accuracy_by_position_by_domain"] = {d: (hits[d] / seen[d].clamp_min(1)).tolist() for d in hits}
     return out
