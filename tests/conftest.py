@@ -114,6 +114,16 @@ def random_drafter(target, block_size=8, layers=2, taps=None, seed=0, scale=3.0,
     return d.eval().requires_grad_(False)
 
 
+@pytest.fixture
+def zeroed_caches(monkeypatch):
+    """KV caches made zeroed (the CPU leaves them as allocated, models/kvcache.storage): for tests that compare
+    whole caches, the scratch slots a pass writes past its context included, where slots neither side wrote must
+    agree too."""
+    from castspec.models import kvcache
+    monkeypatch.setattr(kvcache, "storage", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype,
+                                                                                   device=device))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_hf(llama_config())

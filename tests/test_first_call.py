@@ -8,6 +8,8 @@ from castspec.engine import Engine
 from conftest import llama_config, make_hf, native, random_drafter
 from native_support import native_library
 
+pytestmark = pytest.mark.usefixtures("zeroed_caches")  # whole caches are compared
+
 
 @pytest.fixture
 def lib(monkeypatch):

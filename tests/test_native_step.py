@@ -8,7 +8,6 @@ import logging
 import pytest
 import torch
 
-from castspec.models import kvcache
 from castspec.models.kvcache import Segment
 from castspec.native import build as native
 from castspec.native import forward as native_step
@@ -21,18 +20,12 @@ from conftest import native as native_target
 from conftest import qwen3_config, random_drafter
 from native_support import native_library
 
+pytestmark = pytest.mark.usefixtures("zeroed_caches")  # whole caches are compared
+
 
 @pytest.fixture
 def lib(monkeypatch):
     yield from native_library(monkeypatch)
-
-
-@pytest.fixture(autouse=True)
-def zeroed_caches(monkeypatch):
-    """Caches made zeroed (the CPU leaves them as allocated): these tests compare whole caches, the scratch slots
-    a pass writes past its context included, so slots neither side wrote must agree too."""
-    monkeypatch.setattr(kvcache, "storage", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype,
-                                                                                   device=device))
 
 
 CONFIGS = {
