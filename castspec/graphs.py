@@ -240,7 +240,7 @@ class TargetGraphs(_Runner):
         slots = min(self.cfg.max_context, c.max_positions) + 2 * self.cfg.max_bucket + 2
 
         def make():
-            return KVCache(c.num_layers, 1, c.num_kv_heads, slots, c.head_dim, model.dtype, model.device)
+            return KVCache(c.num_layers, 1, c.num_kv_heads, slots, c.head_dim, model.dtype, model.device, zeroed=True)
 
         return self._lend(make, capacity, batch, self.cfg.max_bucket)
 
@@ -306,7 +306,7 @@ class DraftGraphs(_Runner):
 
         def make():
             dev = model.fc.weight.device
-            return KVCache(c.num_layers, 1, c.num_kv_heads, slots, c.head_dim, model.dtype, dev)
+            return KVCache(c.num_layers, 1, c.num_kv_heads, slots, c.head_dim, model.dtype, dev, zeroed=True)
 
         return self._lend(make, capacity, batch, self.cfg.max_bucket)
 

@@ -114,14 +114,29 @@ def random_drafter(target, block_size=8, layers=2, taps=None, seed=0, scale=3.0,
     return d.eval().requires_grad_(False)
 
 
+@pytest.fixture(autouse=True)
+def poisoned_caches(monkeypatch):
+    """Every cache the CPU leaves as allocated starts as NaNs in the tests (models/kvcache.storage), so that a read
+    of a slot no forward wrote, which decoding must never make, turns the outputs to NaN instead of passing on
+    whatever the allocator returned."""
+    from castspec.models import kvcache
+    real = kvcache.storage
+
+    def poisoned(shape, dtype, device, zeroed=False):
+        out = real(shape, dtype, device, zeroed)
+        return out.fill_(float("nan")) if not zeroed and out.device.type == "cpu" and out.is_floating_point() else out
+
+    monkeypatch.setattr(kvcache, "storage", poisoned)
+
+
 @pytest.fixture
 def zeroed_caches(monkeypatch):
     """KV caches made zeroed (the CPU leaves them as allocated, models/kvcache.storage): for tests that compare
     whole caches, the scratch slots a pass writes past its context included, where slots neither side wrote must
     agree too."""
     from castspec.models import kvcache
-    monkeypatch.setattr(kvcache, "storage", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype,
-                                                                                   device=device))
+    monkeypatch.setattr(kvcache, "storage", lambda shape, dtype, device, zeroed=False: torch.zeros(
+        shape, dtype=dtype, device=device))
 
 
 @pytest.fixture(scope="session")

@@ -17,22 +17,22 @@ import torch
 from ..native import build as native
 
 
-def storage(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def storage(shape: tuple[int, ...], dtype: torch.dtype, device, zeroed: bool = False) -> torch.Tensor:
     """A cache's keys or values. On the CPU a slot is read only once written (the native forwards read the keys a
     row sees, torch's attention the slots before a forward's end), so the memory is left as allocated instead of
-    written once more at a request's admission, room for a tree included. Elsewhere zeros:
-    CUDA graphs read whole static caches under a mask, where a masked-off garbage value would still reach the
-    weighted sum (0 x NaN)."""
-    alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+    written once more at a request's admission, room for a tree included. Zeros where a reader sees slots it
+    never wrote under a mask (`zeroed`: castspec/graphs.py's static caches, read up to a rounded key count; a
+    masked-off garbage value would still reach the weighted sum as 0 x NaN) and off the CPU."""
+    alloc = torch.zeros if zeroed or torch.device(device).type != "cpu" else torch.empty
     return alloc(shape, dtype=dtype, device=device)
 
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", zeroed: bool = False):
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
-        self.k = storage(shape, dtype, device)
-        self.v = storage(shape, dtype, device)
+        self.k = storage(shape, dtype, device, zeroed)
+        self.v = storage(shape, dtype, device, zeroed)
         self.capacity = capacity
         self.length = 0  # slots [0, length) hold committed entries
         self.owned = True  # its storage is its own (False: lent, and written by other sequences later)
