@@ -92,19 +92,22 @@ def _draft_shape(drafter, vocab: int, seed: int):
     return L, g, torch.log_softmax(torch.randn(L, vocab, generator=g) * 4, dim=-1)
 
 
-def _verify_call(target, seqs: list[Sequence], tree) -> Callable[[], None]:
+def _verify_call(target, seqs: list[Sequence], tree,
+                 taps: tuple[int, ...] | None = None) -> Callable[[], torch.Tensor | None]:
     """One ragged verify forward of `tree` (or of a list of trees, one per sequence) behind every sequence's root,
-    as `run_round` runs it (no commit)."""
+    as `run_round` runs it (no commit), tapping `taps` (None: the sequences' own); the call returns the tapped
+    features."""
     trees = tree if isinstance(tree, list) else [tree] * len(seqs)
     parts = [s.verify_segment(t) for s, t in zip(seqs, trees)]
     ids = torch.cat([pack.ids for pack, _ in parts], dim=1)
     pos = torch.cat([pack.positions for pack, _ in parts], dim=1)
     segments = [seg for _, seg in parts]
-    taps = seqs[0].taps
+    taps = seqs[0].taps if taps is None else taps
 
     def verify():
-        logits, _ = target.forward_segments(ids, pos, segments, taps=taps)
+        logits, feats = target.forward_segments(ids, pos, segments, taps=taps)
         greedy_tokens(logits[0])  # the host sync decoding pays too
+        return feats
 
     return verify
 

@@ -1,7 +1,7 @@
 """What a drafting-capable request's taps cost a plain round under load: a verify of 16 decode rows (16 requests,
 120-token prompts, the default model and drafter) without taps, with them, and with every round's features kept
-alive as a request's pending context keeps them while it does not draft; the three in turn, REPS times. Prints
-the median ms of each (JSON).
+alive as a request's pending context keeps them while it does not draft; the three in turn (the probe's
+interleaved timing), REPS times. Prints the median ms of each (JSON).
 
     python scripts/taps_ab.py [--reps 60]
 """
@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import castspec
 from castspec.config import DecodeConfig
+from castspec.probe import _medians_ms, _verify_call
 from castspec.round import run_round
 from castspec.sequence import Sequence
 from castspec.tree import Tree
+
+REQUEST_ROUNDS = 48  # a 48-token request's worth of rounds: how long a request keeps its pending features
 
 
 def main() -> None:
@@ -35,23 +36,16 @@ def main() -> None:
             s = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=64), 64)
             run_round(target, drafter, [s], None, prefill_budget=512)
             seqs.append(s)
-        parts = [s.verify_segment(Tree.empty()) for s in seqs]
-        ids = torch.cat([pack.ids for pack, _ in parts], 1)
-        positions = torch.cat([pack.positions for pack, _ in parts], 1)
-        segments = [seg for _, seg in parts]
+        plain, tapped = _verify_call(target, seqs, Tree.empty(), taps=()), _verify_call(target, seqs, Tree.empty())
         kept: list[torch.Tensor] = []
-        modes = {"none": ((), False), "taps": (seqs[0].taps, False), "taps_kept": (seqs[0].taps, True)}
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        for _ in range(args.reps):
-            for mode, (taps, keep) in modes.items():
-                t = time.perf_counter()
-                _, feats = target.forward_segments(ids, positions, segments, taps=taps)
-                if keep:
-                    kept.append(feats)
-                times[mode].append((time.perf_counter() - t) * 1e3)
-            if len(kept) > 48:  # a 48-token request's worth of rounds
+
+        def tapped_kept():
+            kept.append(tapped())
+            if len(kept) > REQUEST_ROUNDS:
                 kept.clear()
-    print(json.dumps({m: round(statistics.median(v), 3) for m, v in times.items()}))
+
+        ms = _medians_ms([plain, tapped, tapped_kept], args.reps, 0, target.device)
+    print(json.dumps(dict(zip(("none", "taps", "taps_kept"), (round(m, 3) for m in ms)))))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from castspec.config import DecodeConfig, DrafterConfig  # noqa: E402
+from castspec.models import kvcache  # noqa: E402
 from castspec.models.dflash import DFlashDrafter  # noqa: E402
 from castspec.models.load import build_target  # noqa: E402
 from castspec.round import run_round  # noqa: E402
@@ -119,7 +120,6 @@ def poisoned_caches(monkeypatch):
     """Every cache the CPU leaves as allocated starts as NaNs in the tests (models/kvcache.storage), so that a read
     of a slot no forward wrote, which decoding must never make, turns the outputs to NaN instead of passing on
     whatever the allocator returned."""
-    from castspec.models import kvcache
     real = kvcache.storage
 
     def poisoned(shape, dtype, device, zeroed=False):
@@ -134,9 +134,9 @@ def zeroed_caches(monkeypatch):
     """KV caches made zeroed (the CPU leaves them as allocated, models/kvcache.storage): for tests that compare
     whole caches, the scratch slots a pass writes past its context included, where slots neither side wrote must
     agree too."""
-    from castspec.models import kvcache
-    monkeypatch.setattr(kvcache, "storage", lambda shape, dtype, device, zeroed=False: torch.zeros(
-        shape, dtype=dtype, device=device))
+    real = kvcache.storage
+    monkeypatch.setattr(kvcache, "storage", lambda shape, dtype, device, zeroed=False: real(shape, dtype, device,
+                                                                                          zeroed=True))
 
 
 @pytest.fixture(scope="session")
