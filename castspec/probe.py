@@ -221,8 +221,17 @@ def _floor_fields(engine, floors: Floors, profile: CostProfile) -> dict:
     prefill_floor = [prefill_cost(target, P).floor_ms(floors) for P in profile.prefix_lens]
     return {"read_gbps": floors.read_gbps, "gemm_gflops": floors.gemm_gflops, "verify_floor_ms": verify_floor,
             "verify_ratio": [_ratios(m, f) for m, f in zip(profile.verify_ms, verify_floor)],
+            # verify(n) / verify(1), measured and at the floor: the floor's is the least this machine allows at
+            # the rates of this run (above 1 where n rows' FLOPs outlast one row's weight read)
+            "verify_over_one_row": [_over_one_row(profile.packed, m) for m in profile.verify_ms],
+            "verify_floor_over_one_row": [_over_one_row(profile.packed, f) for f in verify_floor],
             "draft_floor_ms": draft_floor, "draft_ratio": _ratios(profile.draft_ms, draft_floor),
             "prefill_floor_ms": prefill_floor, "prefill_ratio": _ratios(profile.prefill_ms, prefill_floor)}
+
+
+def _over_one_row(packed: list[int], times: list[float]) -> list[float] | None:
+    """Each shape's time over the 1-row shape's (None when 1 row was not measured)."""
+    return [t / times[packed.index(1)] for t in times] if 1 in packed else None
 
 
 def _ratios(measured: list[float], floors: list[float | None]) -> list[float | None]:

@@ -246,6 +246,10 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
         assert fl["verify_floor_ms"][i] == [verify_cost(target, n, P).floor_ms(floors) for n in prof.packed]
         pairs = zip(prof.verify_ms[i], fl["verify_floor_ms"][i])
         assert fl["verify_ratio"][i] == pytest.approx([m / f for m, f in pairs])
+        # verify(n) / verify(1) measured and at the floor (n rows never need less than one row's weight read)
+        assert fl["verify_over_one_row"][i] == pytest.approx([m / prof.verify_ms[i][0] for m in prof.verify_ms[i]])
+        floor_over = fl["verify_floor_over_one_row"][i]
+        assert floor_over[0] == 1.0 and all(b >= a for a, b in zip(floor_over, floor_over[1:]))
         draft_floor = draft_cost(drafter, target, P, ctx_rows=DRAFT_CONTEXT_ROWS).floor_ms(floors)
         assert fl["draft_floor_ms"][i] == draft_floor > 0
         assert fl["draft_ratio"][i] == pytest.approx(prof.draft_ms[i] / fl["draft_floor_ms"][i])
@@ -262,7 +266,8 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
     assert entry["verify_floor_ms"] == [verify_cost(target, n, 8, 3).floor_ms(floors) for n in (1, 4 / 3, 4)]
     assert entry["verify_ratio"] == pytest.approx([m / f for m, f in zip(entry["verify_ms"], entry["verify_floor_ms"])])
     assert entry["draft_ratio"] == pytest.approx(entry["draft_ms"] / entry["draft_floor_ms"])
-    assert "batch 3 verify 12" in floor_table(prof) and "prompt of 32" in floor_table(prof)
+    table = floor_table(prof)
+    assert "batch 3 verify 12" in table and "prompt of 32" in table and "over 1 row" in table
     plot_profile(prof, tmp_path / "p.png")  # draws the floors too
     assert (tmp_path / "p.png").stat().st_size > 0
     # batched costs interpolate between probed batch sizes; B = 1 is the single-request curve

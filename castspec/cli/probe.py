@@ -56,16 +56,21 @@ def floor_table(profile: CostProfile) -> str:
     """Measured time, floor and their ratio for every shape: one block per prefix (and per batch size)."""
     f = profile.floor
     lines = [f"floor = max(bytes / {f['read_gbps']:.1f} GB/s, FLOPs / {f['gemm_gflops']:.0f} GFLOP/s), "
-             "both measured in this run", f"{'shape':>22} {'measured ms':>12} {'floor ms':>9} {'ratio':>6}"]
+             "both measured in this run",
+             f"{'shape':>22} {'measured ms':>12} {'floor ms':>9} {'ratio':>6}   over 1 row: measured, floor"]
 
-    def row(shape: str, measured: float, floor: float | None, ratio: float | None) -> None:
+    def row(shape: str, measured: float, floor: float | None, ratio: float | None, over: str = "") -> None:
         if floor is not None:  # None: no drafter pass
-            lines.append(f"{shape:>22} {measured:12.2f} {floor:9.2f} {ratio:6.2f}")
+            lines.append(f"{shape:>22} {measured:12.2f} {floor:9.2f} {ratio:6.2f}{over}")
+
+    def over_one_row(i: int, j: int) -> str:
+        m, fl = f.get("verify_over_one_row"), f.get("verify_floor_over_one_row")
+        return f"   {m[i][j]:11.2f} {fl[i][j]:6.2f}" if m and m[i] and fl and fl[i] else ""
 
     for i, P in enumerate(profile.prefix_lens):
-        for n, ms, floor, ratio in zip(profile.packed, profile.verify_ms[i], f["verify_floor_ms"][i],
-                                       f["verify_ratio"][i]):
-            row(f"prefix {P} verify {n}", ms, floor, ratio)
+        for j, (n, ms, floor, ratio) in enumerate(zip(profile.packed, profile.verify_ms[i], f["verify_floor_ms"][i],
+                                                      f["verify_ratio"][i])):
+            row(f"prefix {P} verify {n}", ms, floor, ratio, over_one_row(i, j))
         row(f"prefix {P} draft", profile.draft_ms[i], f["draft_floor_ms"][i], f["draft_ratio"][i])
         if profile.prefill_ms:
             row(f"prompt of {P}", profile.prefill_ms[i], f["prefill_floor_ms"][i], f["prefill_ratio"][i])
