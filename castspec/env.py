@@ -10,6 +10,7 @@ Every switch is read when asked for (tests and callers may change the environmen
   CASTSPEC_DRAFT_INT8   0: a bf16 drafter's native pass keeps bf16 weights, also where the CPU has AMX-INT8
   CASTSPEC_PACK         0: no oneDNN weight packing (castspec/native/linear.py)
   CASTSPEC_COMPILE      0: no inductor-compiled single-row product (castspec/native/linear.py)
+  CASTSPEC_HUGEPAGES    0: the native forwards' packed weights stay on ordinary pages (castspec/native/hugepages.py)
 """
 from __future__ import annotations
 
@@ -47,3 +48,7 @@ def packing_enabled() -> bool:
 
 def compile_enabled() -> bool:
     return os.environ.get("CASTSPEC_COMPILE", "1") != "0"
+
+
+def hugepages_enabled() -> bool:
+    return os.environ.get("CASTSPEC_HUGEPAGES", "1") != "0"

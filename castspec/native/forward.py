@@ -26,6 +26,7 @@ import torch
 
 from .. import env
 from . import build as native
+from . import hugepages
 from .abi import LAYER_FIELDS, DraftModel, DraftSegment, Int8Weight, Layer, Segment, StepModel
 from .linear import head_logprobs, weight_key
 from .pack import INT8_INPUTS, pack_int8, pack_panels, packable
@@ -40,16 +41,22 @@ INT8_TOLERANCE = 0.25
 
 
 class _Kept:
-    """Tensors and structs whose memory native code reads: kept alive here, their addresses handed out."""
+    """Tensors and structs whose memory native code reads: kept alive here, their addresses handed out. Packed
+    weights, which every forward streams, go to huge pages where the platform has them (native/hugepages.py)."""
 
     def __init__(self):
         self.kept: list[torch.Tensor | ctypes.Structure] = []
+        self._arena = hugepages.HugePageArena() if hugepages.available() else None
 
     def __call__(self, t: torch.Tensor | None) -> int | None:
         if t is None:
             return None
         self.kept.append(t)
         return t.data_ptr()
+
+    def weight(self, t: torch.Tensor) -> int:
+        """The address of packed weights `t` (a copy on huge pages where available: `t` is not kept then)."""
+        return self(t if self._arena is None else self._arena.copy(t))
 
     def struct(self, s: ctypes.Structure) -> int:
         self.kept.append(s)
@@ -58,13 +65,13 @@ class _Kept:
 
 def _packed(keep: _Kept, w: torch.Tensor) -> int:
     """The address of a weight matrix packed for csrc/gemm.c (the packed copy kept alive)."""
-    return keep(pack_panels(w, native.panel_group()))
+    return keep.weight(pack_panels(w, native.panel_group()))
 
 
 def _packed_int8(keep: _Kept, w: torch.Tensor) -> int:
     """The address of model.h's Int8Weight for a weight matrix quantized and packed for gemm.c's int8 products."""
     panels, scales, sums = pack_int8(w, native.panel_group())
-    return keep.struct(Int8Weight(keep(panels), keep(scales), keep(sums)))
+    return keep.struct(Int8Weight(keep.weight(panels), keep(scales), keep(sums)))
 
 
 def _layer_array(layers, keep: _Kept, packed=_packed):
