@@ -37,7 +37,6 @@ class HugePageArena:
     made from them)."""
 
     def __init__(self):
-        self._maps: list[mmap.mmap] = []
         self._current: memoryview | None = None
         self._used = self._size = 0
 
@@ -52,11 +51,16 @@ class HugePageArena:
         return out
 
     def _open(self, size: int) -> None:
-        # a private mapping (a shared one is shmem, whose huge pages are another switch) one huge page longer than
-        # needed, used from its first huge-page boundary on
-        m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
-        m.madvise(mmap.MADV_HUGEPAGE, start, size)
-        self._maps.append(m)
-        self._current = memoryview(m)[start:start + size]
-        self._used, self._size = 0, size
+        self._current, self._used, self._size = _mapping(size), 0, size
+
+
+def _mapping(size: int) -> memoryview:
+    """`size` bytes (a multiple of HUGE_PAGE) of a fresh anonymous mapping advised for huge pages, starting on a
+    huge-page boundary; the mapping lives as long as the view (and anything made from it). A private mapping: a
+    shared one is shmem, whose huge pages are another switch. It is one huge page longer than needed, used from
+    its first boundary on."""
+    m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
+    m.madvise(mmap.MADV_HUGEPAGE, start, size)
+    return memoryview(m)[start:start + size]
+
