@@ -70,8 +70,8 @@
 #ifndef PREFETCH_LINES
 #define PREFETCH_LINES 32
 #endif
-/* Where those lines go: L1 (T0) where this was tuned first; native/build.py picks L2 (T1) on CPUs where that
- * measured faster (docs/performance.md). */
+/* Where those lines go: L1 (T0) where this was tuned first; native/build.py picks L2 (T1), or non-temporal (NTA:
+ * not kept in a victim L3), on CPUs where that measured faster (docs/performance.md). */
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
