@@ -11,15 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import castspec
 from castspec.config import DecodeConfig
-from castspec.probe import _draft_calls, _draft_shape, _verify_call
+from castspec.probe import _draft_calls, _draft_shape, _medians_ms, _verify_call
 from castspec.round import run_round
 from castspec.sequence import Sequence
 from castspec.tree import Tree, build_tree
@@ -45,10 +43,10 @@ def main() -> None:
     p.add_argument("--huge-first", action="store_true", help="load and call the huge-page engine first")
     args = p.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
-    order = [("ordinary", "0"), ("huge", "1")]
+    kinds = [("ordinary", "0"), ("huge", "1")]
     engines, calls = {}, {}
     with torch.inference_mode():
-        for name, flag in order[::-1] if args.huge_first else order:
+        for name, flag in kinds[::-1] if args.huge_first else kinds:
             os.environ["CASTSPEC_HUGEPAGES"] = flag  # read when the native forwards pack their weights
             engines[name] = castspec.load(device="cpu", dtype="auto")
             calls[name] = shapes(engines[name], args.prefix, rows)
@@ -56,23 +54,12 @@ def main() -> None:
         huge = [line.split()[1] for line in meminfo.read_text().splitlines()
                 if line.startswith("AnonHugePages")] if meminfo.exists() else []
         print(json.dumps({"anon_huge_pages_kb": int(huge[0]) if huge else None}))
-        times = {(name, n): ([], []) for name in calls for n in rows}
-        for i in range(args.iters + 5):
-            for n in rows:
-                for name, per_rows in calls.items():
-                    verify, draft = per_rows[n]
-                    t0 = time.perf_counter()
-                    verify()
-                    t1 = time.perf_counter()
-                    draft()
-                    t2 = time.perf_counter()
-                    if i >= 5:  # warm-ups
-                        times[name, n][0].append((t1 - t0) * 1e3)
-                        times[name, n][1].append((t2 - t1) * 1e3)
-    for (name, n), (v, d) in times.items():
-        print(json.dumps({"pages": name, "prefix": args.prefix, "rows": n, "verify_ms": round(statistics.median(v), 3),
-                          "draft_after_ms": round(statistics.median(d), 3)}))
-
+        # one repeat: each engine's verify and the pass after it, engine after engine, shape after shape
+        order = [(name, n) for n in rows for name in calls]
+        medians = _medians_ms([f for name, n in order for f in calls[name][n]], args.iters, 5, torch.device("cpu"))
+    for i, (name, n) in enumerate(order):
+        print(json.dumps({"pages": name, "prefix": args.prefix, "rows": n, "verify_ms": round(medians[2 * i], 3),
+                          "draft_after_ms": round(medians[2 * i + 1], 3)}))
 
 if __name__ == "__main__":
     main()

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-
 import torch
 
 import castspec
 from castspec.config import DecodeConfig
-from castspec.probe import _draft_calls, _draft_shape, _verify_call
+from castspec.probe import _draft_calls, _draft_shape, _medians_ms, _verify_call
 from castspec.round import run_round
 from castspec.sequence import Sequence
 from castspec.tree import Tree, build_tree
@@ -39,18 +36,9 @@ def main() -> None:
         draft = _draft_calls(target, drafter, [s], L)()
         for n in (int(x) for x in args.rows.split(",")):
             verify = _verify_call(target, [s], Tree.empty() if n == 1 else build_tree(lp, n - 1, 8))
-            tv, td = [], []
-            for i in range(args.iters + 5):
-                t0 = time.perf_counter()
-                verify()
-                t1 = time.perf_counter()
-                draft()
-                t2 = time.perf_counter()
-                if i >= 5:  # warm-ups
-                    tv.append((t1 - t0) * 1e3)
-                    td.append((t2 - t1) * 1e3)
-            out["verify_ms"][n] = round(statistics.median(tv), 3)
-            out["draft_after_ms"][n] = round(statistics.median(td), 3)
+            # each repeat runs the verify, then the pass, each timed
+            v, d = _medians_ms([verify, draft], args.iters, 5, target.device)
+            out["verify_ms"][n], out["draft_after_ms"][n] = round(v, 3), round(d, 3)
     print(json.dumps(out))
 
 
