@@ -92,6 +92,14 @@ def _draft_shape(drafter, vocab: int, seed: int):
     return L, g, torch.log_softmax(torch.randn(L, vocab, generator=g) * 4, dim=-1)
 
 
+def _prefilled(target, drafter, prompt: list[int], max_nodes: int) -> Sequence:
+    """A `cast` request for `prompt` with its prompt read in one round, as a request's first round reads it: the
+    prefix the probe's verifies and drafter passes run behind."""
+    s = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), max_nodes)
+    run_round(target, drafter, [s], None, prefill_budget=len(prompt))
+    return s
+
+
 def _verify_call(target, seqs: list[Sequence], tree,
                  taps: tuple[int, ...] | None = None) -> Callable[[], torch.Tensor | None]:
     """One ragged verify forward of `tree` (or of a list of trees, one per sequence) behind every sequence's root,
@@ -165,12 +173,9 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
         floors = Floors.measure(device, target.dtype)
         for P in prefix_lens:
             prompt = torch.randint(0, V, (P,), generator=g).tolist()
-            cfg = DecodeConfig(method="cast", max_new_tokens=2)
 
-            def prefill() -> Sequence:  # the prompt in one round, as a request's first round reads it
-                s = Sequence(target, drafter, prompt, cfg, max(packed))
-                run_round(target, drafter, [s], None, prefill_budget=P)
-                return s
+            def prefill() -> Sequence:
+                return _prefilled(target, drafter, prompt, max(packed))
 
             prefill_ms.append(_median_ms(prefill, reps, warmup, device))
             seq = prefill()  # the prefix every verify below runs behind
@@ -231,7 +236,10 @@ def _floor_fields(engine, floors: Floors, profile: CostProfile) -> dict:
 
 def _over_one_row(packed: list[int], times: list[float]) -> list[float] | None:
     """Each shape's time over the 1-row shape's (None when 1 row was not measured)."""
-    return [t / times[packed.index(1)] for t in times] if 1 in packed else None
+    if 1 not in packed:
+        return None
+    one = times[packed.index(1)]
+    return [t / one for t in times]
 
 
 def _ratios(measured: list[float], floors: list[float | None]) -> list[float | None]:

@@ -20,11 +20,8 @@ import time
 import torch
 
 import castspec
-from castspec.config import DecodeConfig
 from castspec.native import abi, build
-from castspec.probe import _draft_calls, _draft_shape, _verify_call
-from castspec.round import run_round
-from castspec.sequence import Sequence
+from castspec.probe import _draft_calls, _draft_shape, _prefilled, _verify_call
 from castspec.tree import build_tree
 
 
@@ -70,8 +67,7 @@ def main() -> None:
     with torch.inference_mode():
         for _ in range(args.batch + 1):  # the first for one request's shapes, the others for the batch's
             prompt = torch.randint(0, target.cfg.vocab_size, (args.prefix,), generator=g).tolist()
-            s = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), 64)
-            run_round(target, drafter, [s], None, prefill_budget=args.prefix)
+            s = _prefilled(target, drafter, prompt, 64)
             seqs.append(s)
         shapes = {f"verify {n}": _verify_call(target, seqs[:1], build_tree(logprobs, n - 1, 8))
                   for n in map(int, args.rows.split(","))}

@@ -26,11 +26,8 @@ ROWS = 32
 def logits(mode: str, base_lib: str | None, out: str) -> None:
     """One side's verify logits {(library, prefix): [ROWS, vocab]} saved to `out`."""
     import castspec
-    from castspec.config import DecodeConfig
-    from castspec.probe import _draft_shape
+    from castspec.probe import _draft_shape, _prefilled
     from castspec.prompts import mtbench
-    from castspec.round import run_round
-    from castspec.sequence import Sequence
     from castspec.tree import build_tree
 
     engine = castspec.load(dtype="float32" if mode == "fp32" else "bfloat16")
@@ -45,8 +42,7 @@ def logits(mode: str, base_lib: str | None, out: str) -> None:
     res = {}
     with torch.inference_mode():
         for P in PREFIXES:
-            s = Sequence(target, drafter, ids[:P], DecodeConfig(method="cast", max_new_tokens=2), 64)
-            run_round(target, drafter, [s], None, prefill_budget=P)
+            s = _prefilled(target, drafter, ids[:P], 64)
             pack, seg = s.verify_segment(build_tree(logprobs, ROWS - 1, 8))
             for name, lib in libs.items():
                 got = {}

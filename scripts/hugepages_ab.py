@@ -16,10 +16,7 @@ from pathlib import Path
 import torch
 
 import castspec
-from castspec.config import DecodeConfig
-from castspec.probe import _draft_calls, _draft_shape, _medians_ms, _verify_call
-from castspec.round import run_round
-from castspec.sequence import Sequence
+from castspec.probe import _draft_calls, _draft_shape, _medians_ms, _prefilled, _verify_call
 from castspec.tree import Tree, build_tree
 
 
@@ -28,8 +25,7 @@ def shapes(engine, prefix: int, rows: list[int]) -> dict:
     target, drafter = engine.target, engine.drafter
     L, g, lp = _draft_shape(drafter, target.cfg.vocab_size, 0)
     prompt = torch.randint(0, target.cfg.vocab_size, (prefix,), generator=g).tolist()
-    s = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), 64)
-    run_round(target, drafter, [s], None, prefill_budget=prefix)
+    s = _prefilled(target, drafter, prompt, 64)
     draft = _draft_calls(target, drafter, [s], L)()
     return {n: (_verify_call(target, [s], Tree.empty() if n == 1 else build_tree(lp, n - 1, 8)), draft)
             for n in rows}

@@ -10,10 +10,7 @@ import time
 import torch
 
 import castspec
-from castspec.config import DecodeConfig
-from castspec.probe import _draft_shape, _verify_call
-from castspec.round import run_round
-from castspec.sequence import Sequence
+from castspec.probe import _draft_shape, _prefilled, _verify_call
 from castspec.tree import build_tree
 
 rows, P, iters = (int(a) for a in sys.argv[1:4])
@@ -22,8 +19,7 @@ target, drafter = engine.target, engine.drafter
 with torch.inference_mode():
     L, g, lp = _draft_shape(drafter, target.cfg.vocab_size, 0)
     prompt = torch.randint(0, target.cfg.vocab_size, (P,), generator=g).tolist()
-    s = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), 64)
-    run_round(target, drafter, [s], None, prefill_budget=P)
+    s = _prefilled(target, drafter, prompt, 64)
     call = _verify_call(target, [s], build_tree(lp, rows - 1, 8))
     for _ in range(5):
         call()

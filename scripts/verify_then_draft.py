@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+
 import torch
 
 import castspec
-from castspec.config import DecodeConfig
-from castspec.probe import _draft_calls, _draft_shape, _medians_ms, _verify_call
-from castspec.round import run_round
-from castspec.sequence import Sequence
+from castspec.probe import _draft_calls, _draft_shape, _medians_ms, _prefilled, _verify_call
 from castspec.tree import Tree, build_tree
 
 
@@ -31,8 +29,7 @@ def main() -> None:
     with torch.inference_mode():
         L, g, lp = _draft_shape(drafter, target.cfg.vocab_size, 0)
         prompt = torch.randint(0, target.cfg.vocab_size, (args.prefix,), generator=g).tolist()
-        s = Sequence(target, drafter, prompt, DecodeConfig(method="cast", max_new_tokens=2), 64)
-        run_round(target, drafter, [s], None, prefill_budget=args.prefix)
+        s = _prefilled(target, drafter, prompt, 64)
         draft = _draft_calls(target, drafter, [s], L)()
         for n in (int(x) for x in args.rows.split(",")):
             verify = _verify_call(target, [s], Tree.empty() if n == 1 else build_tree(lp, n - 1, 8))
