@@ -77,6 +77,9 @@ class CostProfile:
     # while, or whose prompt the drafter has not read yet, has its pass also fuse those rows. None in profiles
     # written before it was probed
     draft_context_ms: list[float] | None = None
+    # [prefix] the 1-row verify timed in the same loop as the drafter pass, each right before a pass: the step the
+    # pass is priced against (floor["draft_over_one_row"]). None without a drafter, and in older profiles
+    draft_step_ms: list[float] | None = None
 
     def verify_at(self, n, prefix: float):
         """Verify latency of one request's forward of n packed tokens (a float; an array for an array of n), on

@@ -29,6 +29,9 @@ QUICK_PACKED = (1, 2, 4, 8, 16, 32, 64)
 # the batch sizes a scheduler's quick batched probe measures (Engine.cost_profile)
 QUICK_BATCHES = (2, 4, 8, 16)
 CONTEXT_PROBE_ROWS = 64  # context rows of the wider drafter pass that prices a pending context row
+# the fewest repeats of a request's drafter pass: a short call, whose median over 5 moved by a fifth from one
+# probe to the next
+DRAFT_REPS = 25
 
 
 def _medians_ms(fns: list[Callable[[], None]], reps: int, warmup: int, device,
@@ -143,14 +146,15 @@ def _draft_calls(target, drafter, seqs: list[Sequence], depth: int) -> Callable[
 
 
 def _draft_timings(target, drafter, seqs: list[Sequence], depth: int, prefix: int, reps: int,
-                   warmup: int, between: Callable[[], None]) -> tuple[float, float]:
-    """The batched drafter pass of `seqs` as rounds run it, after `between` (the verify that precedes it in
+                   warmup: int, step: Callable[[], None]) -> tuple[float, float, float]:
+    """The batched drafter pass of `seqs` as rounds run it, after `step` (the verify that precedes it in
     decoding: its weights then come from memory, not from cache), and what each further pending context row
-    adds to it (from the same pass with up to CONTEXT_PROBE_ROWS context rows per request): (ms, ms per
-    context row)."""
+    adds to it (from the same pass with up to CONTEXT_PROBE_ROWS context rows per request), each timed right after
+    a timed `step`: (ms, ms per context row, step ms). The step's median from the same loop prices the pass against
+    the verify it follows, free of the machine's drift between two loops."""
     passes, wide = _draft_calls(target, drafter, seqs, depth), min(CONTEXT_PROBE_ROWS, prefix)
-    ms, wide_ms = _medians_ms([passes(), passes(wide)], reps, warmup, target.device, between)
-    return ms, max(wide_ms - ms, 0.0) / max(len(seqs) * (wide - DRAFT_CONTEXT_ROWS), 1)
+    step_ms, ms, _, wide_ms = _medians_ms([step, passes(), step, passes(wide)], reps, warmup, target.device)
+    return ms, max(wide_ms - ms, 0.0) / max(len(seqs) * (wide - DRAFT_CONTEXT_ROWS), 1), step_ms
 
 
 def _top_chain_picks(tree) -> list[int]:
@@ -167,7 +171,7 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
     device = target.device
     V = target.cfg.vocab_size
     L, g, logprobs = _draft_shape(drafter, V, seed)
-    verify_ms, draft_ms, prefill_ms, context_ms = [], [], [], []
+    verify_ms, draft_ms, prefill_ms, context_ms, draft_step_ms = [], [], [], [], []
     bar = tqdm(total=len(prefix_lens) * (len(packed) + 1), desc="probe", disable=not progress)
     with torch.inference_mode():
         floors = Floors.measure(device, target.dtype)
@@ -186,9 +190,11 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
             if seq.draft is None:
                 draft_ms.append(0.0)
             else:
-                ms, per_row = _draft_timings(target, drafter, [seq], L, P, reps, warmup, step)
+                ms, per_row, step_ms = _draft_timings(target, drafter, [seq], L, P, max(reps, DRAFT_REPS), warmup,
+                                                      step)
                 draft_ms.append(ms)
                 context_ms.append(per_row)
+                draft_step_ms.append(step_ms)
             bar.update(1)
             del seq  # castspec/graphs.py lends its static cache to one live sequence: the next prefix's
         host = {}
@@ -212,7 +218,8 @@ def probe(engine, packed=DEFAULT_PACKED, prefix_lens=(128, 512), reps: int = 5, 
         floors = floors.best(Floors.measure(device, target.dtype))  # read again after the timings: the better
     bar.close()
     profile = CostProfile(engine_key(engine), list(packed), list(prefix_lens), verify_ms, draft_ms, host,
-                          prefill_ms=prefill_ms, draft_context_ms=context_ms or None)
+                          prefill_ms=prefill_ms, draft_context_ms=context_ms or None,
+                          draft_step_ms=draft_step_ms if drafter is not None and packed[0] == 1 else None)
     profile.floor = _floor_fields(engine, floors, profile)
     return profile
 
@@ -231,6 +238,12 @@ def _floor_fields(engine, floors: Floors, profile: CostProfile) -> dict:
             "verify_over_one_row": [_over_one_row(profile.packed, m) for m in profile.verify_ms],
             "verify_floor_over_one_row": [_over_one_row(profile.packed, f) for f in verify_floor],
             "draft_floor_ms": draft_floor, "draft_ratio": _ratios(profile.draft_ms, draft_floor),
+            # the pass over one row's verify: measured against the verify timed before it in the same loop, and at
+            # the floor
+            "draft_over_one_row": (None if not profile.draft_step_ms else
+                                   [d / s for d, s in zip(profile.draft_ms, profile.draft_step_ms)]),
+            "draft_floor_over_one_row": (None if drafter is None or 1 not in profile.packed else
+                                         [d / v[profile.packed.index(1)] for d, v in zip(draft_floor, verify_floor)]),
             "prefill_floor_ms": prefill_floor, "prefill_ratio": _ratios(profile.prefill_ms, prefill_floor)}
 
 
@@ -279,8 +292,8 @@ def probe_batch(engine, profile: CostProfile, batch_sizes=(2, 4, 8, 16), per_req
             bar.update(len(per_request))
             # the batched pass as the cost policy's rounds under load start out: finishing BATCH_DRAFT_DEPTH rows
             depth = min(L, BATCH_DRAFT_DEPTH)
-            draft, context = (_draft_timings(target, drafter, seqs, depth, prefix, reps, warmup, calls[0])
-                              if drafter else (0.0, 0.0))
+            draft, context, _ = (_draft_timings(target, drafter, seqs, depth, prefix, reps, warmup, calls[0])
+                                 if drafter else (0.0, 0.0, 0.0))
             bar.update(1)
             verify_floor = [verify_cost(target, total / B, prefix, B).floor_ms(floors) for total in totals]
             draft_floor = (draft_cost(drafter, target, prefix, B, DRAFT_CONTEXT_ROWS, depth).floor_ms(floors)

@@ -253,6 +253,10 @@ def test_probe_and_auto_width_stay_exact_and_inside_the_universe(tmp_path, monke
         draft_floor = draft_cost(drafter, target, P, ctx_rows=DRAFT_CONTEXT_ROWS).floor_ms(floors)
         assert fl["draft_floor_ms"][i] == draft_floor > 0
         assert fl["draft_ratio"][i] == pytest.approx(prof.draft_ms[i] / fl["draft_floor_ms"][i])
+        # the pass over the 1-row verify timed before it in the same loop, and the floor's ratio of the two
+        assert prof.draft_step_ms[i] > 0
+        assert fl["draft_over_one_row"][i] == pytest.approx(prof.draft_ms[i] / prof.draft_step_ms[i])
+        assert fl["draft_floor_over_one_row"][i] == pytest.approx(draft_floor / fl["verify_floor_ms"][i][0])
         # a prompt of P tokens read in one round, with its floor
         assert prof.prefill_ms[i] > 0 and fl["prefill_floor_ms"][i] == prefill_cost(target, P).floor_ms(floors)
         assert fl["prefill_ratio"][i] == pytest.approx(prof.prefill_ms[i] / fl["prefill_floor_ms"][i])

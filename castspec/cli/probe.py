@@ -67,11 +67,16 @@ def floor_table(profile: CostProfile) -> str:
         m, fl = f.get("verify_over_one_row"), f.get("verify_floor_over_one_row")
         return f"   {m[i][j]:11.2f} {fl[i][j]:6.2f}" if m and m[i] and fl and fl[i] else ""
 
+    def draft_over_one_row(i: int) -> str:
+        m, fl = f.get("draft_over_one_row"), f.get("draft_floor_over_one_row")
+        return f"   {m[i]:11.3f} {fl[i]:6.3f}" if m and fl else ""
+
     for i, P in enumerate(profile.prefix_lens):
         for j, (n, ms, floor, ratio) in enumerate(zip(profile.packed, profile.verify_ms[i], f["verify_floor_ms"][i],
                                                       f["verify_ratio"][i])):
             row(f"prefix {P} verify {n}", ms, floor, ratio, over_one_row(i, j))
-        row(f"prefix {P} draft", profile.draft_ms[i], f["draft_floor_ms"][i], f["draft_ratio"][i])
+        row(f"prefix {P} draft", profile.draft_ms[i], f["draft_floor_ms"][i], f["draft_ratio"][i],
+            draft_over_one_row(i))
         if profile.prefill_ms:
             row(f"prompt of {P}", profile.prefill_ms[i], f["prefill_floor_ms"][i], f["prefill_ratio"][i])
     for B, entry in sorted(profile.batch.items(), key=lambda kv: int(kv[0])):
