@@ -11,6 +11,7 @@ Every switch is read when asked for (tests and callers may change the environmen
   CASTSPEC_PACK         0: no oneDNN weight packing (castspec/native/linear.py)
   CASTSPEC_COMPILE      0: no inductor-compiled single-row product (castspec/native/linear.py)
   CASTSPEC_HUGEPAGES    0: the native forwards' packed weights stay on ordinary pages (castspec/native/hugepages.py)
+  CASTSPEC_SECTIONS     1: the native library times its forwards section by section (castspec/native/sections.py)
 """
 from __future__ import annotations
 
@@ -52,3 +53,7 @@ def compile_enabled() -> bool:
 
 def hugepages_enabled() -> bool:
     return os.environ.get("CASTSPEC_HUGEPAGES", "1") != "0"
+
+
+def sections_enabled() -> bool:
+    return os.environ.get("CASTSPEC_SECTIONS", "0") == "1"

@@ -169,7 +169,8 @@ def _compiler() -> tuple[str, str]:
 
 
 def _flags(build: str) -> tuple[str, ...]:
-    return (*COMMON_FLAGS, *BUILD_FLAGS[build], *TUNING.get((build, _cpu_model()), ()))
+    sections = ("-DCASTSPEC_SECTIONS",) if env.sections_enabled() else ()  # a library of its own (the cache key)
+    return (*COMMON_FLAGS, *BUILD_FLAGS[build], *TUNING.get((build, _cpu_model()), ()), *sections)
 
 
 def _library_path(build: str, compiler: str, version: str) -> Path:

@@ -108,8 +108,10 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
         for (int j = 0; j < segs[g].block_rows; ++j, ++t)
             blk_seg[t] = g, blk_slot[t] = segs[g].start + segs[g].ctx_rows + j;
     }
+    SECTIONS_BEGIN(SEC_DRAFTER);
     /* the context: fc over the concatenated taps, then hidden_norm */
     linear(m, dm->fc, NULL, features, C, H, FI, xs, n);
+    SECTION_END(SEC_FC);
     FOR_ROWS(C, c, rms_norm(m, n + (int64_t)c * H, dm->hidden_norm, H, ctx + (int64_t)c * H));
     memcpy(x, block_emb, sizeof(float) * T * H);
 
@@ -121,6 +123,7 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
          * (gemm.c), so the context's keys are the bits a product of the k|v weights alone gives. */
         FOR_ROWS(T, t, rms_norm(m, x + (int64_t)t * H, L->attn_norm, H, normed + (int64_t)t * H));
         linear(m, L->qkv_w, L->qkv_b, ctx, C + T, qkv, H, xs, proj);
+        SECTION_END(SEC_QKV);
         FOR_ROWS(C, c, {
             const DraftSegment *sg = &segs[ctx_seg[c]];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
@@ -150,12 +153,14 @@ int draft_block(const DraftModel *dm, int nseg, const DraftSegment *segs, int C,
             }
             M = F;
         }
+        SECTION_END(SEC_ROPE_KV);
         /* n (the fused context's scratch before the layers) holds attention's and the MLP's outputs */
         attention(m, L, M, bproj, qkv, see, S16, probs, heads_out, x, xs, n);
         mlp(m, L, M, x, n, proj, act, xs, n);
     }
     const int rows_out = finish ? F : T;
     FOR_ROWS(rows_out, t, rms_norm(m, x + (int64_t)t * H, m->final_norm, H, out + (int64_t)t * H));
+    SECTION_END(SEC_OTHER);
     free(arena.base);
     return 0;
 }
@@ -198,8 +203,11 @@ int draft_logprobs(int bf16, int i8, const void *head, int S, int H, const float
         return -1;
     if (rows)
         for (int r = 0; r < R; ++r) memcpy(x + (int64_t)r * H, hidden + rows[r] * H, sizeof(float) * H);
+    SECTIONS_BEGIN(SEC_DRAFTER);
     linear(&m, head, NULL, rows ? x : hidden, R, S, H, xs, out);
+    SECTION_END(SEC_HEAD);
     FOR_ROWS(R, r, log_softmax_row(out + (int64_t)r * S, S));
+    SECTION_END(SEC_OTHER);
     free(arena.base);
     return 0;
 }

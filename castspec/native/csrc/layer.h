@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "model.h"
+#include "sections.h"
 #include "simd.h"
 
 void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O, int I, int ldx, int ldy);
@@ -181,6 +182,7 @@ static void product(const StepModel *m, const void *W, const void *b, const floa
 static void linear(const StepModel *m, const void *W, const void *b, const float *X, int M, int O, int I,
                    void *xs, float *Y) {
     FOR_ROWS(M, r, enter_row(m, X, M, I, xs, r));
+    SECTION_END(SEC_OTHER); /* the product's own section is the caller's next mark */
     product(m, W, b, X, M, O, I, xs, Y);
 }
 
@@ -559,7 +561,9 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
                          heads_out + (int64_t)r * nq + h * d);
         }
     }
+    SECTION_END(SEC_ATTENTION);
     linear(m, L->o_w, L->o_b, heads_out, M, m->hidden, nq, xs, att);
+    SECTION_END(SEC_O);
     FOR_ROWS(M, r, add_to(x + (int64_t)r * m->hidden, att + (int64_t)r * m->hidden, m->hidden));
 }
 
@@ -584,13 +588,16 @@ static void mlp(const StepModel *m, const Layer *L, int M, float *x, float *n, f
     const int H = m->hidden, F = m->inter;
     FOR_ROWS(M, r, rms_norm(m, x + (int64_t)r * H, L->mlp_norm, H, n + (int64_t)r * H));
     linear(m, L->gate_up_w, L->gate_up_b, n, M, 2 * F, H, xs, gu); /* per row: gate | up */
+    SECTION_END(SEC_GATE_UP);
     /* silu, the heaviest of the per-row loops, on every thread from SILU_PARALLEL_MIN rows, each row entering the
      * down product on the thread that made it (read on the other core, it cost back most of what was gained) */
     FOR_ROWS_FROM(SILU_PARALLEL_MIN, M, r, {
         silu_times(gu + (int64_t)r * 2 * F, F, act + (int64_t)r * F);
         enter_row(m, act, M, F, xs, r);
     });
+    SECTION_END(SEC_SILU);
     product(m, L->down_w, L->down_b, act, M, H, F, xs, att);
+    SECTION_END(SEC_DOWN);
     FOR_ROWS(M, r, add_to(x + (int64_t)r * H, att + (int64_t)r * H, H));
 }
 

@@ -22,6 +22,13 @@ typedef struct {
     const uint8_t *mask;
 } Segment;
 
+#ifdef CASTSPEC_SECTIONS
+/* sections.h's tables, and their size (exported only by a library that keeps them: native/sections.py) */
+double castspec_sections[2][SEC_COUNT], castspec_section_mark;
+int castspec_section_table;
+const int castspec_section_count = SEC_COUNT;
+#endif
+
 /* The sizes of the structs castspec/native/abi.py mirrors, compared with its own when the library loads. */
 const int64_t castspec_sizeof_Layer = sizeof(Layer), castspec_sizeof_StepModel = sizeof(StepModel),
               castspec_sizeof_Segment = sizeof(Segment), castspec_sizeof_Int8Weight = sizeof(Int8Weight);
@@ -85,11 +92,13 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
             s.nkeys[r] = sg->mask ? visible_keys(sg->mask + (int64_t)j * S, S, s.keys + (int64_t)r * Smax)
                                   : (int)sg->start + j + 1;
     }
+    SECTIONS_BEGIN(SEC_TARGET);
     embed_rows(m, m->embed, tokens, M, x);
     for (int l = 0; l < m->layers; ++l) {
         const Layer *L = &m->layer[l];
         FOR_ROWS(M, r, rms_norm(m, x + (int64_t)r * H, L->attn_norm, H, n + (int64_t)r * H));
         linear(m, L->qkv_w, L->qkv_b, n, M, qkv, H, xs, proj); /* per row: q | k | v heads */
+        SECTION_END(SEC_QKV);
         for (int g = 0, r = 0; g < nseg; ++g) { /* every row's keys/values are in place before any row attends */
             const Segment *sg = &segs[g];
             const int64_t head_stride = sg->capacity * d, layer = l * nkv * head_stride;
@@ -105,6 +114,7 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
             });
             r += sg->rows;
         }
+        SECTION_END(SEC_ROPE_KV);
         attention(m, L, M, proj, qkv, see, S16, probs, heads_out, x, xs, att);
         mlp(m, L, M, x, n, proj, act, xs, att);
         if (tap_slot && tap_slot[l] >= 0)
@@ -113,6 +123,7 @@ int forward_rows(const StepModel *m, int M, const int64_t *tokens, const int64_t
     }
     for (int j = 0; j < R; ++j) rms_norm(m, x + logit_rows[j] * H, m->final_norm, H, n + (int64_t)j * H);
     linear(m, m->head, NULL, n, R, m->vocab, H, xs, logits);
+    SECTION_END(SEC_HEAD);
     free(arena.base);
     return 0;
 }
