@@ -1,11 +1,12 @@
 """Where the default model's native forwards spend their time, section by section (castspec/native/sections.py):
 verifies of --rows packed rows behind a random prompt of --prefix tokens, each followed by the drafter pass as a
-round runs them, and prompts of --prompts tokens read in one round. Per section the time a call, and for each
+round runs them, a plain round of --batch requests (one row each, behind prompts of --prefix tokens), and prompts
+of --prompts tokens read in one round. Per section the time a call, and for each
 product the rate at which it read its weights (GB/s; and for the target's products the rate of its multiply-adds,
 GFLOP/s), beside this machine's read and matmul rates measured in the same run (castspec/floor.py). A table on
 stderr, one JSON line on stdout.
 
-    python scripts/forward_sections.py [--prefix 128] [--rows 1,8,16] [--prompts 128,512] [--iters 100]
+    python scripts/forward_sections.py [--prefix 128] [--rows 1,8,16] [--batch 16] [--prompts 128,512] [--iters 100]
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ os.environ["CASTSPEC_SECTIONS"] = "1"  # before castspec loads its native librar
 import torch  # noqa: E402
 
 import castspec  # noqa: E402
+from castspec.config import DecodeConfig  # noqa: E402
 from castspec.floor import Floors  # noqa: E402
 from castspec.native import build as native  # noqa: E402
 from castspec.native import sections  # noqa: E402
 from castspec.probe import _draft_calls, _draft_shape, _prefilled, _verify_call  # noqa: E402
+from castspec.round import run_round  # noqa: E402
+from castspec.sequence import Sequence  # noqa: E402
 from castspec.tree import Tree, build_tree  # noqa: E402
 
 
@@ -72,6 +76,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefix", type=int, default=128)
     p.add_argument("--rows", default="1,8,16")
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompts", default="128,512")
     p.add_argument("--iters", type=int, default=100)
     args = p.parse_args()
@@ -94,8 +99,17 @@ def main() -> None:
             ms, wall = timed(lib, [verify, draft], args.iters)
             entries.append(shape_entry(f"verify of {n} at prefix {args.prefix}", "target", ms["target"],
                                        weights["target"], dict.fromkeys(sections.PRODUCTS, n)))
-            entries.append(shape_entry(f"drafter pass after it", "drafter", ms["drafter"], weights["drafter"], None))
+            entries.append(shape_entry("drafter pass after it", "drafter", ms["drafter"], weights["drafter"], None))
             entries[-1]["round_wall_ms"] = wall
+        if args.batch > 1:  # requests' own caches: what a serving round of plain decoding reads
+            cfg = DecodeConfig(method="ar", max_new_tokens=2)
+            prompts = [torch.randint(0, target.cfg.vocab_size, (args.prefix,), generator=g).tolist()
+                       for _ in range(args.batch)]
+            seqs = [Sequence(target, None, text, cfg, 1) for text in prompts]
+            run_round(target, None, seqs, None, prefill_budget=args.prefix * args.batch)
+            ms, _ = timed(lib, [_verify_call(target, seqs, Tree.empty())], args.iters)
+            entries.append(shape_entry(f"round of {args.batch} requests at prefix {args.prefix}", "target",
+                                       ms["target"], weights["target"], dict.fromkeys(sections.PRODUCTS, args.batch)))
         for P in (int(x) for x in args.prompts.split(",")):
             text = torch.randint(0, target.cfg.vocab_size, (P,), generator=g).tolist()
             ms, _ = timed(lib, [lambda: _prefilled(target, None, text, 1)], max(args.iters // 20, 3))
