@@ -70,6 +70,11 @@
 #ifndef PREFETCH_LINES
 #define PREFETCH_LINES 32
 #endif
+/* The same for products of 9-16 rows (one pass of two groups of rows, gemm_bf16_f32's pairs), whose steps each
+ * take twice the compute: native/build.py fetches further ahead for them where that measured faster. */
+#ifndef PREFETCH_LINES_PAIRS
+#define PREFETCH_LINES_PAIRS PREFETCH_LINES
+#endif
 /* Where those lines go: L1 (T0) where this was tuned first; native/build.py picks L2 (T1), or non-temporal (NTA:
  * not kept in a victim L3), on CPUs where that measured faster (docs/performance.md). */
 #ifndef PREFETCH_HINT
@@ -335,12 +340,12 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
  * of its share), so that the stream overlaps all of the compute, and blocks are smaller (BLOCK_BYTES). The order
  * of work changes no bits: every output sums the same steps in the same order. TILE(R, NB, b) sees blk, m0,
  * fetch. */
-#define PRODUCT(TILE, panel_bytes) PRODUCT_ROWS(TILE, panel_bytes, M, ROWS)
+#define PRODUCT(TILE, panel_bytes) PRODUCT_ROWS(TILE, panel_bytes, M, ROWS, PREFETCH_LINES)
 /* PRODUCT as if the product had MR rows, its groups' tiles chosen by WIDTHS(TILE, R) (gemm_bf16_f32's pairs pass
- * as one group of MAX_R). */
-#define PRODUCT_ROWS(TILE, panel_bytes, MR, WIDTHS)                                                       \
+ * as one group of MAX_R), fetching LINES steps ahead. */
+#define PRODUCT_ROWS(TILE, panel_bytes, MR, WIDTHS, LINES)                                                \
     const int panels = (O + 15) / 16, groups = ((MR) + MAX_R - 1) / MAX_R;                                \
-    const int ahead = (MR) >= PREFETCH_MIN_ROWS ? PREFETCH_LINES : 0;                                     \
+    const int ahead = (MR) >= PREFETCH_MIN_ROWS ? (LINES) : 0;                                            \
     int block = UNIT;                                                                                     \
     if (groups > 1) {                                                                                     \
         block = (int)(BLOCK_BYTES / (panel_bytes)) / 3 * 3; /* whole 8-row tiles */                       \
@@ -614,7 +619,7 @@ void gemm_bf16_f32(const uint16_t *P, const uint16_t *X, float *Y, int M, int O,
     (void)(R);               \
     SWEEP(TILE, MAX_R, 3);
     if (M > MAX_R && M <= 2 * MAX_R) {
-        PRODUCT_ROWS(TILE_PAIR, 32 * (int64_t)I, MAX_R, PAIR_WIDTHS)
+        PRODUCT_ROWS(TILE_PAIR, 32 * (int64_t)I, MAX_R, PAIR_WIDTHS, PREFETCH_LINES_PAIRS)
     } else {
         PRODUCT(TILE_BF16, 32 * (int64_t)I)
     }
