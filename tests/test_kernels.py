@@ -265,7 +265,7 @@ def test_build_cache_key_covers_mode_and_compiler(lib):
 
 def test_per_cpu_tuning_enters_the_flags_and_the_cache_key(monkeypatch):
     """Zen 4 (AMD family 25 with AVX-512) builds gemm.c's prefetch into L2, Zen 5 (family 26) non-temporal for
-    every row count (9-16 rows further ahead, more rows over smaller blocks); other CPUs and builds keep the
+    every row count (4-16 rows further ahead, more rows over smaller blocks); other CPUs and builds keep the
     defaults; a tuned build is a library of its own."""
     monkeypatch.setattr(native, "_cpu_model", lambda: ("AuthenticAMD", 25))
     tuned = native._flags("avx512")
@@ -275,6 +275,7 @@ def test_per_cpu_tuning_enters_the_flags_and_the_cache_key(monkeypatch):
     zen5 = native._flags("avx512")
     assert "-DPREFETCH_HINT=_MM_HINT_NTA" in zen5 and "-DPREFETCH_MIN_ROWS=1" in zen5
     assert "-DPREFETCH_LINES_PAIRS=64" in zen5 and "-DBLOCK_BYTES=98304" in zen5  # 9-16 rows; more rows
+    assert "-DPREFETCH_WIDE_ROWS=4" in zen5 and "-DPREFETCH_LINES_WIDE=48" in zen5  # 4-8 rows
     assert not any(f.startswith("-DPREFETCH") for f in native._flags("avx2"))
     zen5_path = native._library_path("avx512", "cc", "v")
     for other in (("GenuineIntel", 6), None):

@@ -90,10 +90,12 @@ def _cpu_model() -> tuple[str, int] | None:
 # which runs each 512-bit operation on 256-bit units; there products of 2 rows and more fetch their weight lines
 # ahead into L2 rather than L1. Family 26 is Zen 5, whose L3 takes what L2 evicts: there every product fetches its
 # weight lines ahead as non-temporal, so that the target's stream does not evict the L3's other contents (the
-# drafter's weights, read right after a verify; the caches), one row included, products of 9-16 rows fetch
-# twice as far ahead, and products of more rows pass over blocks of half the default size.
+# drafter's weights, read right after a verify; the caches), one row included, products of 4-8 rows fetch half as
+# far again ahead and of 9-16 rows twice as far, and products of more rows pass over blocks of half the default
+# size.
 TUNING = {("avx512", ("AuthenticAMD", 25)): ("-DPREFETCH_HINT=_MM_HINT_T1", "-DPREFETCH_MIN_ROWS=2"),
           ("avx512", ("AuthenticAMD", 26)): ("-DPREFETCH_HINT=_MM_HINT_NTA", "-DPREFETCH_MIN_ROWS=1",
+                                             "-DPREFETCH_WIDE_ROWS=4", "-DPREFETCH_LINES_WIDE=48",
                                              "-DPREFETCH_LINES_PAIRS=64", "-DBLOCK_BYTES=98304")}
 
 

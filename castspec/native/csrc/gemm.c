@@ -70,8 +70,15 @@
 #ifndef PREFETCH_LINES
 #define PREFETCH_LINES 32
 #endif
-/* The same for products of 9-16 rows (one pass of two groups of rows, gemm_bf16_f32's pairs), whose steps each
- * take twice the compute: native/build.py fetches further ahead for them where that measured faster. */
+/* The same for products of PREFETCH_WIDE_ROWS-8 rows (one group of rows), and of 9-16 rows (one pass of two
+ * groups, gemm_bf16_f32's pairs), whose steps take more compute: native/build.py fetches further ahead for them
+ * where that measured faster. */
+#ifndef PREFETCH_WIDE_ROWS
+#define PREFETCH_WIDE_ROWS MAX_R
+#endif
+#ifndef PREFETCH_LINES_WIDE
+#define PREFETCH_LINES_WIDE PREFETCH_LINES
+#endif
 #ifndef PREFETCH_LINES_PAIRS
 #define PREFETCH_LINES_PAIRS PREFETCH_LINES
 #endif
@@ -340,7 +347,9 @@ static inline __attribute__((always_inline)) VNNI void tile_i8(const int8_t *P, 
  * of its share), so that the stream overlaps all of the compute, and blocks are smaller (BLOCK_BYTES). The order
  * of work changes no bits: every output sums the same steps in the same order. TILE(R, NB, b) sees blk, m0,
  * fetch. */
-#define PRODUCT(TILE, panel_bytes) PRODUCT_ROWS(TILE, panel_bytes, M, ROWS, PREFETCH_LINES)
+#define PRODUCT(TILE, panel_bytes)                                                                       \
+    PRODUCT_ROWS(TILE, panel_bytes, M, ROWS,                                                             \
+                 M >= PREFETCH_WIDE_ROWS && M <= MAX_R ? PREFETCH_LINES_WIDE : PREFETCH_LINES)
 /* PRODUCT as if the product had MR rows, its groups' tiles chosen by WIDTHS(TILE, R) (gemm_bf16_f32's pairs pass
  * as one group of MAX_R), fetching LINES steps ahead. */
 #define PRODUCT_ROWS(TILE, panel_bytes, MR, WIDTHS, LINES)                                                \
