@@ -51,11 +51,11 @@ def product_weights(target, drafter=None, drafter_int8: bool = False) -> dict[st
     pass multiplies int8 weights."""
 
     def sizes(layers, width: int) -> dict[str, tuple[int, int]]:
-        mats = {"qkv": [layer.self_attn.qkv()[0] for layer in layers],
-                "o": [layer.self_attn.o_proj.weight for layer in layers],
-                "gate_up": [layer.mlp.gate_up_weight for layer in layers],
-                "down": [layer.mlp.down_proj.weight for layer in layers]}
-        return {name: (sum(w.numel() for w in ws) * width, sum(w.numel() for w in ws)) for name, ws in mats.items()}
+        weights = {"qkv": sum(layer.self_attn.qkv()[0].numel() for layer in layers),
+                   "o": sum(layer.self_attn.o_proj.weight.numel() for layer in layers),
+                   "gate_up": sum(layer.mlp.gate_up_weight.numel() for layer in layers),
+                   "down": sum(layer.mlp.down_proj.weight.numel() for layer in layers)}
+        return {name: (n * width, n) for name, n in weights.items()}
 
     head = target.head_weight
     out = {"target": {**sizes(target.model.layers, head.element_size()),
@@ -67,4 +67,3 @@ def product_weights(target, drafter=None, drafter_int8: bool = False) -> dict[st
         out["drafter"] = {**sizes(drafter.layers, width), "fc": (fc.numel() * width, fc.numel()),
                           "head": (rows * head.shape[1] * width, rows * head.shape[1])}
     return out
-
