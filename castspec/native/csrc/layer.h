@@ -383,6 +383,29 @@ static inline __attribute__((always_inline)) void score_chunk(const float *q, co
     }
 }
 
+/* The cache lines of the next chunk's keys (keys [c0 + 16, c0 + 32) of the list) and of this chunk's values, asked
+ * for ahead (es: bytes an element). A row whose keys and values come from memory otherwise reads them as two
+ * short streams one after the other, each started by a miss: keys and values fetched side by side, and the keys a
+ * chunk ahead, keep more lines in flight. Where they are in the cache already (the tree's other rows, read right
+ * after the first) the fetches only take load slots, so attention() asks for them on a thread's first item of
+ * each key/value head. Inlined always: GCC deems a function that only fetches free of effects, and drops calls
+ * to it. */
+static inline __attribute__((always_inline)) void fetch_chunks(const void *K, const void *V, int es, int n,
+                                                               const int32_t *keys, int d, int c0) {
+    const int row = d * es;
+    for (int j = 0; j < 16; ++j) {
+        const int ik = c0 + 16 + j, iv = c0 + j;
+        if (ik < n) {
+            const char *k = (const char *)K + (int64_t)(keys ? keys[ik] : ik) * row;
+            for (int b = 0; b < row; b += 64) _mm_prefetch(k + b, _MM_HINT_T0);
+        }
+        if (iv < n) {
+            const char *v = (const char *)V + (int64_t)(keys ? keys[iv] : iv) * row;
+            for (int b = 0; b < row; b += 64) _mm_prefetch(v + b, _MM_HINT_T0);
+        }
+    }
+}
+
 /* Softmax attention of G query heads (q: G rows of d) sharing one key/value head, over the n keys they see, in
  * order: slots keys[0..n) of that head (keys NULL: slots [0, n)); out: G rows of d, fp32. p is scratch of G
  * rows of pstride >= n rounded up to 16 floats.
@@ -401,7 +424,7 @@ static inline __attribute__((always_inline)) void score_chunk(const float *q, co
 static inline __attribute__((always_inline)) void attend_heads_as(const float *q, int G, const void *K,
                                                                   const void *V, int bf, int n,
                                                                   const int32_t *keys, int d, float scale, float *p,
-                                                                  int64_t pstride, float *out) {
+                                                                  int64_t pstride, float *out, int fetch) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 vmax[64];
     for (int g = 0; g < G; ++g) vmax[g] = ninf;
@@ -411,6 +434,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(const float *q
     if (bh) to_model(q, qh, (int64_t)G * d);
     for (int c0 = 0; c0 < n; c0 += 16) {
         const int w = n - c0 < 16 ? n - c0 : 16;
+        if (fetch) fetch_chunks(K, V, bf ? 2 : 4, n, keys, d, c0);
         for (int g0 = 0; g0 < G; g0 += 4) { /* up to four heads at a time share each key's loads */
             const int hg = G - g0 < 4 ? G - g0 : 4;
             const float *qg = q + (int64_t)g0 * d;
@@ -461,9 +485,9 @@ static inline __attribute__((always_inline)) void attend_heads_as(const float *q
 /* attend_heads_as over a cache of bf16 (bf) or fp32 keys and values: one copy of the code for each, so that
  * the inner loops test nothing. */
 static void attend_heads(const float *q, int G, const void *K, const void *V, int bf, int n, const int32_t *keys,
-                         int d, float scale, float *p, int64_t pstride, float *out) {
-    if (bf) attend_heads_as(q, G, K, V, 1, n, keys, d, scale, p, pstride, out);
-    else attend_heads_as(q, G, K, V, 0, n, keys, d, scale, p, pstride, out);
+                         int d, float scale, float *p, int64_t pstride, float *out, int fetch) {
+    if (bf) attend_heads_as(q, G, K, V, 1, n, keys, d, scale, p, pstride, out, fetch);
+    else attend_heads_as(q, G, K, V, 0, n, keys, d, scale, p, pstride, out, fetch);
 }
 
 /* The slots a row sees, ascending, from its mask row visible[0, S) (nonzero = visible) into keys; returns how
@@ -551,14 +575,20 @@ static void attention(const StepModel *m, const Layer *L, int M, const float *q,
          * head by head over the rows, so a thread's consecutive items read the same keys and values (a tree's rows
          * share their prefix) while they are still in its cache. */
         const int G = M * m->kv_heads >= omp_get_max_threads() && group <= 64 ? group : 1, items = M * (nh / G);
-#pragma omp parallel for schedule(static) if ((int64_t)M * rows[0].n >= 64)
-        for (int it = 0; it < items; ++it) {
-            const int r = it % M, h = (it / M) * G;
-            const RowAttn *a = &rows[r];
-            const int64_t at = (h / group) * a->head_stride; /* the key/value head */
-            attend_heads(q + r * ldq + h * d, G, kv_at(m, a->K, at), kv_at(m, a->V, at), m->bf16, a->n,
-                         a->keys, d, scale, probs + (int64_t)omp_get_thread_num() * group * S16, S16,
-                         heads_out + (int64_t)r * nq + h * d);
+#pragma omp parallel if ((int64_t)M * rows[0].n >= 64)
+        {
+            const void *last = NULL; /* the keys this thread's previous item read */
+#pragma omp for schedule(static)
+            for (int it = 0; it < items; ++it) {
+                const int r = it % M, h = (it / M) * G;
+                const RowAttn *a = &rows[r];
+                const int64_t at = (h / group) * a->head_stride; /* the key/value head */
+                const void *K = kv_at(m, a->K, at);
+                attend_heads(q + r * ldq + h * d, G, K, kv_at(m, a->V, at), m->bf16, a->n, a->keys, d, scale,
+                             probs + (int64_t)omp_get_thread_num() * group * S16, S16,
+                             heads_out + (int64_t)r * nq + h * d, K != last);
+                last = K;
+            }
         }
     }
     SECTION_END(SEC_ATTENTION);
