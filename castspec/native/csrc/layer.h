@@ -408,7 +408,8 @@ static inline __attribute__((always_inline)) void fetch_chunks(const void *K, co
 
 /* Softmax attention of G query heads (q: G rows of d) sharing one key/value head, over the n keys they see, in
  * order: slots keys[0..n) of that head (keys NULL: slots [0, n)); out: G rows of d, fp32. p is scratch of G
- * rows of pstride >= n rounded up to 16 floats.
+ * rows of pstride >= n rounded up to 16 floats. With `fetch`, the keys and values are asked for ahead
+ * (fetch_chunks), which changes no arithmetic.
  *
  * Everything runs over that compact list (scores sixteen keys at a time through one horizontal-sum tree, the
  * softmax's max and sum over its lanes, the values' weighted sum key by key), so the bits depend only on the
