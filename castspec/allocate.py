@@ -48,8 +48,9 @@ class Policy:
         `horizon`: the most tokens those requests may still commit (None: no bound known)."""
         return True
 
-    def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
-        """Feedback after each round: tokens committed by the whole batch and the round's wall time."""
+    def update(self, committed: int, round_ms: float, drafted: bool = True, requests: int | None = None) -> None:
+        """Feedback after each round: tokens committed by the whole batch and the round's wall time; `requests`:
+        the requests it verified, drafting or not (None: unknown)."""
 
     def observe(self, tree: Tree, path: list[int]) -> None:
         """Feedback per verified request: its tree and the accepted pack rows (for calibrating masses)."""
@@ -147,6 +148,11 @@ DRAFTED_FIRST = 3
 # rounds came within this of 1 (a slow moment of the machine, or content drafting may yet win on); further below,
 # it waits for the longest gap (max_explore_loaded plain rounds)
 TRY_GAIN = 0.9
+# under load, the share of the time served that tries may lose against plain rounds (net of what drafted rounds won):
+# a try that is due waits while the losses so far exceed it, so where drafting does not pay at a batch (a pass for
+# 16 blocks is compute on a CPU) the policy stays within this of plain rounds however long it serves; each try's
+# rounds lose a little, and its first pass also fuses all the context gathered since the last one
+EXPLORE_SHARE = 0.02
 
 
 def _ema(old: float | None, value: float, momentum: float) -> float:
@@ -212,7 +218,7 @@ class CostAware(Policy):
     def __init__(self, rule: RoundWidth, top_k_per_position: int = 8, explore_every: int = 8, momentum: float = 0.8,
                  max_explore_every: int = 64, decision_momentum: float = 0.95, min_drafted: int = 6,
                  try_rounds: int = 3, block_rows: int | None = None, max_explore_loaded: int = 256,
-                 confidence: float = 1.0):
+                 confidence: float = 1.0, explore_share: float = EXPLORE_SHARE):
         self.rule, self.top_k_per_position = rule, top_k_per_position
         self.block_rows = block_rows  # rows of one request's drafter block: prices a batched pass (draft_could_pay)
         self.explore_every, self.momentum = explore_every, momentum
@@ -227,6 +233,11 @@ class CostAware(Policy):
         self.draft_sq: float | None = None
         self.draft_weights = 0.0
         self.confidence = confidence
+        # under load: the time rounds served, and what drafted rounds of several requests lost (net) against plain
+        # rounds of their batch in it; tries that are due wait while the loss is above explore_share of the time
+        self.explore_share = explore_share
+        self.served_ms = 0.0
+        self.explore_lost_ms = 0.0
         self.plain_rate: float | None = None  # committed tokens per ms of rounds without a draft
         # evidence is counted in request-rounds (one request's outcome in one round): a round of B requests
         # averages B outcomes, so burn-in, tries and the estimate's memory shrink with the batch in rounds
@@ -355,9 +366,10 @@ class CostAware(Policy):
                 # plain ones it runs (its gap, explore_every, doubles after each try that loses, up to
                 # max_explore_loaded: a measured gain near 1 is as likely a slow moment of the machine as a
                 # loss); where they lost by more, or only the profile prices them, it waits until its round can
-                # pay, or for the longest gap (the acceptance measured or assumed may be stale)
+                # pay, or for the longest gap (the acceptance measured or assumed may be stale). A try that
+                # cannot pay runs only within the exploration budget (`_may_explore`)
                 near = self.gains.get(bucket, 0.0) >= TRY_GAIN
-                return near or pays or self.skipped >= self.max_explore_loaded
+                return pays or ((near or self.skipped >= self.max_explore_loaded) and self._may_explore())
             if bucket in self.gains or not pays:
                 return pays
         if self.drafted < self.min_drafted or self.draft_rate is None:
@@ -367,6 +379,11 @@ class CostAware(Policy):
             # a profile probed on a busy machine would otherwise keep a losing draft forever
             return False
         return self._drafting_pays()
+
+    def _may_explore(self) -> bool:
+        """Whether a try under load fits the exploration budget: what drafted rounds of several requests lost against
+        plain rounds of the same batch so far, net, is at most `explore_share` of the time the rounds served."""
+        return self.explore_lost_ms <= self.explore_share * self.served_ms
 
     def _drafting_pays(self) -> bool:
         """Whether drafted rounds' rate, plus `confidence` standard errors of its estimate, beats plain rounds'."""
@@ -423,8 +440,9 @@ class CostAware(Policy):
         b = min(near, key=lambda b: abs(b - batch))
         return self.plain_rates[b] * self._priced_plain_rate(batch) / self._priced_plain_rate(b)
 
-    def update(self, committed: int, round_ms: float, drafted: bool = True) -> None:
+    def update(self, committed: int, round_ms: float, drafted: bool = True, requests: int | None = None) -> None:
         rate = committed / max(round_ms, 1e-6)
+        self.served_ms += round_ms
         if not drafted:
             self.skipped += 1
             self.plain_rate = _ema(self.plain_rate, rate, self.momentum)
@@ -442,10 +460,16 @@ class CostAware(Policy):
         first = self.drafted == 0
         self.drafted += self.batch
         self.skipped = 0
-        tokens, nodes = committed / self.batch, self.nodes / self.batch
+        # a request in its last round does not draft (nothing to gain) but is verified with the others: it
+        # commits its target token alone, and the round is measured against a plain round of all of them
+        requests = max(requests or self.batch, self.batch)
+        tokens, nodes = (committed - (requests - self.batch)) / self.batch, self.nodes / self.batch
         self.request_tokens = _ema(self.request_tokens, tokens, self.momentum)
         self.request_nodes = _ema(self.request_nodes, nodes, self.momentum)
         if self.batch > 1:
+            # what plain rounds of these requests would have taken to commit as much, against what this one took
+            plain_ms = committed / self._batch_plain_rate(requests)
+            self.explore_lost_ms += round_ms - plain_ms
             # a round whose pass caught up (fused a batch's prompts, or what its requests gathered in plain
             # rounds) costs more than drafting does from then on: not measured, and the next round drafts to be
             self._measure_next = self._context_rows > self._steady_rows(self.batch)
@@ -454,7 +478,7 @@ class CostAware(Policy):
                 seen = self.gains_seen.get(key, 0)
                 self.gains_seen[key] = seen + 1
                 # a plain mean of the first rounds, then the EMA
-                self.gains[key] = _ema(self.gains.get(key), rate / self._batch_plain_rate(self.batch),
+                self.gains[key] = _ema(self.gains.get(key), plain_ms / max(round_ms, 1e-6),
                                        min(self.momentum, seen / (seen + 1)))
                 if self.gains[key] >= 1.0:
                     self.explore_every = self.min_explore

@@ -136,7 +136,7 @@ def run_round(target: Decoder, drafter: DFlashDrafter | None, seqs: list[Sequenc
     verified = [o.accepted for o in out.sequences if o.verified]
     # a round that also reads a newcomer's prompt says little about drafting: its time is mostly that prompt's
     if policy is not None and verified and not out.prefill_tokens:
-        policy.update(sum(verified) + len(verified), out.total_ms, drafted=drafted)
+        policy.update(sum(verified) + len(verified), out.total_ms, drafted=drafted, requests=len(verified))
     return out
 
 

@@ -1,6 +1,7 @@
 """Batched rounds and continuous batching: exactness whatever else is in the batch, allocation optimality,
 ragged verify = per-request dense verify, admission/retirement, failure isolation."""
 import itertools
+import math
 import threading
 
 import pytest
@@ -379,11 +380,12 @@ def test_cost_policy_keeps_its_back_off_after_a_try_that_wins_alone():
 def test_cost_policy_skips_tries_the_profile_prices_out_under_load(batch_draft_ms, tries):
     # 16 requests: a plain round costs 20 ms; drafted rounds committed 1.5 tokens per request with one node each.
     # With a drafter pass for 16 blocks of 100 ms no try can pay (24 tokens in ~130 ms against 16 in 20): the
-    # policy waits for its longest gap; with a 1 ms pass (24 tokens in ~30 ms) it tries as before
+    # policy waits for its longest gap; with a 1 ms pass (24 tokens in ~30 ms) it tries as before (the exploration
+    # budget aside: its own test)
     prof = flat_profile(0.0)
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": batch_draft_ms}}
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
-                       max_explore_every=16, max_explore_loaded=16)
+                       max_explore_every=16, max_explore_loaded=16, explore_share=math.inf)
     assert policy.should_draft(1) and not policy.should_draft(16)  # under load a plain round is measured first
     plain_rounds(policy, 16, 20.0)
     assert policy.should_draft(16) == tries  # before any drafted round: PRIOR_ACCEPT
@@ -483,11 +485,11 @@ def test_cost_policy_under_load_goes_by_drafted_rounds_measured_at_that_batch(dr
     # the profile prices a pass for 16 blocks at 1 ms, so drafting looks like it pays at 16; measured, a drafted
     # round of 16 commits 24 tokens in `drafted_ms` against plain rounds of 16 in 20 ms (0.8 tokens/ms): a gain of
     # 0.75 / 0.94 / 1.2. Slow rounds of one request meanwhile make the rates over all batches say the opposite of
-    # the batch's own.
+    # the batch's own. (The exploration budget aside: its own test.)
     prof = flat_profile(0.0)
     prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": 1.0}}
     policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, min_drafted=2, try_rounds=1,
-                       max_explore_every=16, max_explore_loaded=16)
+                       max_explore_every=16, max_explore_loaded=16, explore_share=math.inf)
     plain_rounds(policy, 16, 20.0)
     assert policy.should_draft(16)
     policy.batch, policy.nodes = 16, 16
@@ -594,9 +596,9 @@ def test_cost_policy_keeps_a_drafter_that_wins_on_average_through_bad_runs():
 def test_cost_policy_counts_request_rounds_under_load():
     # 16 requests per round: the burn-in and a try each take one round, not 6 and 3. Drafting measured losing
     # at 16 by far more than TRY_GAIN, a try comes after the longest gap (max_explore_loaded plain rounds), and
-    # the gap doubles when it loses
+    # the gap doubles when it loses (the exploration budget aside: its own test)
     policy = CostAware(RoundWidth(flat_profile(0.0), 15, init_throughput=None), explore_every=4,
-                       max_explore_every=8, max_explore_loaded=8)
+                       max_explore_every=8, max_explore_loaded=8, explore_share=math.inf)
     policy.batch = 16  # what allocate() records for a round of 16 drafting requests
     policy.update(16, 200.0)  # warm-up round
     policy.update(16, 400.0)  # 0.04 tokens/ms against plain rounds of 16 tokens in 10 ms
@@ -613,6 +615,53 @@ def test_cost_policy_counts_request_rounds_under_load():
     assert not policy.should_draft(16) and policy.explore_every == 8  # one round of 16 was the whole try
 
 
+def test_cost_policy_counts_only_the_drafting_requests_tokens_as_theirs():
+    # 8 requests verified, 3 of them drafting (the others in their last round): 12 tokens committed are 7 for the
+    # three (2.33 each) and 1 each for the five; the round is measured against plain rounds of all 8 (10 ms)
+    prof = flat_profile(0.0)
+    prof.batch = {"8": {"packed": [8, 16, 32], "verify_ms": [10.0, 14.0, 20.0], "draft_ms": 1.0}}
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None))
+    plain_rounds(policy, 8, 10.0)
+    policy.batch, policy.nodes = 3, 6
+    policy.update(12, 15.0, requests=8)
+    assert policy.request_tokens == pytest.approx(7 / 3) and policy.request_nodes == pytest.approx(2.0)
+    assert policy.gains[4] == pytest.approx((12 / 0.8) / 15.0)  # keyed by the drafting requests' bucket
+    assert policy.explore_lost_ms == pytest.approx(15.0 - 12 / 0.8)
+
+
+@pytest.mark.parametrize("share", [0.02, 0.05])
+def test_cost_policy_under_load_loses_at_most_its_exploration_share_to_tries(share):
+    # drafted rounds of 16 commit 24 tokens in 32 ms against plain rounds of 16 in 20 ms (a gain of 0.94: within
+    # TRY_GAIN, so tries keep coming), and each try's first round also fuses the context its requests gathered
+    # since the last one (60 ms). Without a budget its tries lose ~8% of the time served; with one, what they lose
+    # stays within the share (give or take the try that crossed it), and they still come now and then
+    prof = flat_profile(0.0)
+    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": 1.0}}
+
+    def serve(explore_share: float) -> tuple[float, float, int]:
+        policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, max_explore_every=16,
+                           max_explore_loaded=16, explore_share=explore_share)
+        plain_rounds(policy, 16, 20.0)
+        ms = lost = 0.0
+        tries, drafted_last = 0, True
+        for _ in range(3000):
+            if policy.should_draft(16):
+                round_ms = 32.0 if drafted_last else 60.0
+                tries += not drafted_last
+                policy.batch, policy.nodes = 16, 16
+                policy.update(24, round_ms)
+                ms, lost, drafted_last = ms + round_ms, lost + round_ms - 24 / 0.8, True
+            else:
+                policy.update(16, 20.0, drafted=False)
+                ms, drafted_last = ms + 20.0, False
+        return lost, ms, tries
+
+    lost, ms, tries = serve(math.inf)
+    assert lost > 0.06 * ms and tries > 100
+    lost, ms, tries = serve(share)
+    assert lost <= share * ms + 60.0 and tries >= 10
+
+
 class Recording(FixedWidth):
     """A fixed-width policy that keeps every update it gets."""
 
@@ -620,7 +669,7 @@ class Recording(FixedWidth):
         super().__init__(3, 2)
         self.updates = []
 
-    def update(self, committed, round_ms, drafted=True):
+    def update(self, committed, round_ms, drafted=True, requests=None):
         self.updates.append(committed)
 
 
