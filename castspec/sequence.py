@@ -92,22 +92,26 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
     max_pos = drafter.cfg.max_positions - 1
     masks = [drafter.cfg.mask_token_id] * L
     feats, segments = [], []
-    block_ids, block_pos, ctx_pos = [], [], []  # lists, made tensors once: a pass runs every round
+    block_ids, block_pos, ctx_pos = [], [], []  # lists, made one tensor once: a pass runs every round
     for st, root in zip(states, roots):
-        start, ctx_len = st.cache.length, st.pending.shape[1]
+        pending = st.pending
+        start, ctx_len = st.cache.length, pending.shape[1]
         root_pos = start + ctx_len
-        feats.append(st.pending)
+        feats.append(pending)
         ctx_pos.extend(range(start, root_pos))
-        block_ids += [root, *masks]
+        block_ids.append(root)
+        block_ids.extend(masks)
+        end = root_pos + L + 1
         # near the end of the context the block's trailing rows (never used: depth is capped) would sit past the
         # last position; pin them to it rather than shrink the block, which would change the rows we do use
-        block_pos.extend(min(p, max_pos) for p in range(root_pos, root_pos + L + 1))
+        block_pos.extend(range(root_pos, end) if end <= max_pos + 1 else (min(p, max_pos) for p in range(root_pos, end)))
         segments.append(DraftSegment(st.cache, start, ctx_len, L + 1))
         st.pending = None
-    block = torch.tensor([block_ids, block_pos], device=device)  # one tensor made, not two
+    T = len(block_ids)
+    flat = torch.tensor(block_ids + block_pos + ctx_pos, device=device)  # one tensor made, not three
     return drafter.propose_segments(  # one head product for all blocks
-        target, block[:1], block[1:], feats[0] if len(feats) == 1 else torch.cat(feats, dim=1),
-        torch.tensor([ctx_pos], dtype=torch.long, device=device), segments, depths)
+        target, flat[:T].view(1, T), flat[T:2 * T].view(1, T), feats[0] if len(feats) == 1 else torch.cat(feats, dim=1),
+        flat[2 * T:].view(1, -1), segments, depths)
 
 
 def request_taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:

@@ -173,10 +173,10 @@ class DFlashDrafter(nn.Module):
             if self.graphs is None and self.draft_vocab is not None else None
         if code is not None:
             head, embed = self.vocab_head(target), target.embedding_table
-            if self._native_head(head) and self._native_embedding(embed):
+            if code.takes(head, embed, self._native_head, self._native_embedding):
                 sub = code.marginals(block_ids, block_pos, features, ctx_pos, segments, head,
                                      self._drafting_rows(depths), embed)
-                return Marginals(sub, self.draft_vocab, target.head_weight.shape[0]).split(depths)
+                return Marginals(sub, self.draft_vocab, self._sub_head[0].shape[0]).split(depths)
         hidden = self.forward_segments(target.embed(block_ids), block_pos, features, ctx_pos, segments)
         return self.block_marginals(hidden[0], depths, target)
 

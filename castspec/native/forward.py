@@ -359,17 +359,23 @@ class NativeDraft:
                                  drafter.fc.weight.shape[1])
         self._hidden = cfg.hidden_size
         self._head: tuple = (None, None, None)  # (weight_key, address, _Kept) of the head packed as the layers
+        self._takes: tuple = (None, None, False)  # (head, embedding table, whether `marginals` takes the two)
 
     @staticmethod
     def accepts(drafter, block_emb, block_pos, features, ctx_pos, segments) -> bool:
         """Whether draft.c takes this `DFlashDrafter.forward_segments` call: every request with a cache it can
         write (decoding, not training) and room there for its context and block, no masks, the blocks at most
         max_rows(dtype) rows in all."""
-        if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" \
-                or not _within(block_emb.shape[1], max_rows(drafter.dtype)):
+        dtype = drafter.dtype  # asked every round: once, and the segments in a plain loop
+        if block_emb.shape[0] != 1 or block_emb.device.type != "cpu" or not _within(block_emb.shape[1],
+                                                                                      max_rows(dtype)):
             return False
-        return all(seg.cache is not None and seg.mask is None and cache_fits(seg.cache, drafter.dtype)
-                   and seg.start + seg.ctx_length + seg.block_length <= seg.cache.capacity for seg in segments)
+        for seg in segments:
+            cache = seg.cache
+            if (cache is None or seg.mask is not None or not cache_fits(cache, dtype)
+                    or seg.start + seg.ctx_length + seg.block_length > cache.capacity):
+                return False
+        return True
 
     @staticmethod
     def build(drafter, int8: bool = False) -> "NativeDraft | None":
@@ -440,6 +446,15 @@ class NativeDraft:
             keep = _Kept()
             self._head = (key, self._packed(keep, head.detach()), keep)
         return self._head[1]
+
+    def takes(self, head: torch.Tensor, embed: torch.Tensor, head_ok, embed_ok) -> bool:
+        """Whether `marginals` takes this head and embedding table, by the drafter's tests head_ok(head) and
+        embed_ok(embed): asked once per head and table (a round asks every time), kept while they are the same
+        tensors."""
+        kept = self._takes
+        if kept[0] is not head or kept[1] is not embed:
+            kept = self._takes = (head, embed, head_ok(head) and embed_ok(embed))
+        return kept[2]
 
     def logprobs(self, hidden: torch.Tensor, rows: list[int], head: torch.Tensor) -> torch.Tensor | None:
         """Block rows `rows` of a pass's final-normed rows hidden [*, H] (fp32) through the draft vocabulary's
