@@ -69,7 +69,7 @@ def main() -> None:
                       "threads": torch.get_num_threads(),
                       "median_ms": {"pass": round(statistics.median(whole_ms), 3),
                                     "native call": round(statistics.median(native_ms), 3),
-                                    "host": round(statistics.median(host), 3)}}, indent=1))
+                                    "host": round(statistics.median(host), 3)}}))
 
 
 if __name__ == "__main__":
