@@ -148,6 +148,13 @@ DRAFTED_FIRST = 3
 # rounds came within this of 1 (a slow moment of the machine, or content drafting may yet win on); further below,
 # it waits for the longest gap (max_explore_loaded plain rounds)
 TRY_GAIN = 0.9
+# under load, while a batch bucket drafts, the plain rounds its gain is measured against are measured again every
+# REFRESH_EVERY of its drafted rounds, REFRESH_ROUNDS in a row, each weighing REFRESH_WEIGHT in the plain rate: the
+# first plain rounds of a load (right after its prompts, beside a server taking requests) run slower than later
+# ones, and a bucket whose drafted rounds beat that stale rate would never run a plain round again to learn better
+REFRESH_EVERY = 32
+REFRESH_ROUNDS = 2
+REFRESH_WEIGHT = 0.5
 # under load, the share of the time served that tries may lose against plain rounds (net of what drafted rounds won):
 # a try that is due waits while the losses so far exceed it, so where drafting does not pay at a batch (a pass for
 # 16 blocks is compute on a CPU) the policy stays within this of plain rounds however long it serves; each try's
@@ -254,6 +261,8 @@ class CostAware(Policy):
         # rounds' gain over them (EMA) per batch bucket (batch_bucket), read by draft_could_pay once measured
         self.plain_rates: dict[int, float] = {}
         self.plain_seen: dict[int, int] = {}  # plain rounds measured per batch bucket
+        self.since_plain: dict[int, int] = {}  # per batch bucket: its drafted rounds since its last plain round
+        self.refresh: dict[int, int] = {}  # per batch bucket: plain rounds due to measure its plain rate again
         self.gains: dict[int, float] = {}
         self.gains_seen: dict[int, int] = {}  # drafted rounds measured per batch bucket
         self.reached: dict[int, int] = {}  # per batch bucket: the deepest tree of its last drafted round
@@ -358,6 +367,8 @@ class CostAware(Policy):
                 return False
             if 0 < self.gains_seen.get(bucket, 0) < DRAFTED_FIRST:
                 return True  # likewise a few drafted rounds before their gain decides
+            if self.refresh.get(bucket, 0) > 0:
+                return False  # the plain rate this bucket's gain is measured against, measured again
             # drafted rounds of about this batch measured against plain ones (before that the profile's price),
             # and the catch-up of the context gathered meanwhile repaid before the requests end
             pays = self.draft_could_pay(batch, context_rows, horizon)
@@ -452,8 +463,14 @@ class CostAware(Policy):
             # assumes may be stale); one request's tries go by the measured rates alone
             batch = committed
             if batch > 1:
-                self.plain_rates[batch] = _ema(self.plain_rates.get(batch), rate, self.momentum)
-                self.plain_seen[batch_bucket(batch)] = self.plain_seen.get(batch_bucket(batch), 0) + 1
+                bucket = batch_bucket(batch)
+                refreshing = self.refresh.get(bucket, 0) > 0
+                self.plain_rates[batch] = _ema(self.plain_rates.get(batch), rate,
+                                               1.0 - REFRESH_WEIGHT if refreshing else self.momentum)
+                self.plain_seen[bucket] = self.plain_seen.get(bucket, 0) + 1
+                self.since_plain[bucket] = 0
+                if refreshing:
+                    self.refresh[bucket] -= 1
             if self.skipped >= self.explore_every and self.burst is None:
                 self.burst = Try(self.try_rounds)  # due; under load should_draft may hold it back
             return
@@ -473,8 +490,11 @@ class CostAware(Policy):
             # a round whose pass caught up (fused a batch's prompts, or what its requests gathered in plain
             # rounds) costs more than drafting does from then on: not measured, and the next round drafts to be
             self._measure_next = self._context_rows > self._steady_rows(self.batch)
+            key = batch_bucket(self.batch)
+            self.since_plain[key] = self.since_plain.get(key, 0) + 1
+            if self.since_plain[key] >= REFRESH_EVERY:
+                self.refresh[key], self.since_plain[key] = REFRESH_ROUNDS, 0
             if not self._measure_next:
-                key = batch_bucket(self.batch)
                 seen = self.gains_seen.get(key, 0)
                 self.gains_seen[key] = seen + 1
                 # a plain mean of the first rounds, then the EMA

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from castspec.allocate import (DRAFTED_FIRST, PLAIN_FIRST, Chain, CostAware, FixedWidth, PolicySpec, SharedBudget,
+from castspec.allocate import (DRAFTED_FIRST, PLAIN_FIRST, REFRESH_EVERY, REFRESH_ROUNDS, Chain, CostAware, FixedWidth, PolicySpec, SharedBudget,
                                UniformSplit, make_policy)
 from castspec.round import run_round, warm_up
 from castspec.config import DecodeConfig
@@ -627,6 +627,32 @@ def test_cost_policy_counts_only_the_drafting_requests_tokens_as_theirs():
     assert policy.request_tokens == pytest.approx(7 / 3) and policy.request_nodes == pytest.approx(2.0)
     assert policy.gains[4] == pytest.approx((12 / 0.8) / 15.0)  # keyed by the drafting requests' bucket
     assert policy.explore_lost_ms == pytest.approx(15.0 - 12 / 0.8)
+
+
+def test_cost_policy_under_load_measures_its_plain_rounds_again_while_it_drafts():
+    # the first plain rounds of 16 ran slow (20 ms: a load's start); drafted rounds of 16 commit 24 tokens in 25 ms,
+    # 1.2x that stale rate, but plain rounds now take 15 ms (drafting loses: 0.96 tokens/ms against 1.07). While
+    # the bucket drafts, every REFRESH_EVERY drafted rounds it runs REFRESH_ROUNDS plain ones, and drafting stops
+    # once the plain rate measured again says it loses (without the plain rounds it would draft to the end)
+    prof = flat_profile(0.0)
+    prof.batch = {"16": {"packed": [16, 32, 64], "verify_ms": [20.0, 25.0, 35.0], "draft_ms": 1.0}}
+    policy = CostAware(RoundWidth(prof, 15, init_throughput=None), explore_every=4, max_explore_loaded=1000,
+                       explore_share=0.0)
+    plain_rounds(policy, 16, 20.0)
+    decisions = []
+    for _ in range(3 * REFRESH_EVERY):
+        d = policy.should_draft(16)
+        decisions.append(d)
+        if d:
+            policy.batch, policy.nodes = 16, 16
+            policy.update(24, 25.0)
+        else:
+            policy.update(16, 15.0, drafted=False)
+    first_plain = decisions.index(False)
+    assert all(decisions[:first_plain]) and first_plain == REFRESH_EVERY
+    assert decisions[first_plain:first_plain + REFRESH_ROUNDS] == [False] * REFRESH_ROUNDS
+    # measured again, drafting loses: it stops within a few rounds (its gain an average), then tries now and then
+    assert policy.gains[16] < 1.0 and sum(decisions[-REFRESH_EVERY:]) <= 2
 
 
 @pytest.mark.parametrize("share", [0.02, 0.05])
