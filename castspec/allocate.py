@@ -217,7 +217,10 @@ class CostAware(Policy):
     drafting must repay before the requests end (`draft_could_pay`, from their remaining tokens) and which says
     nothing of what drafting costs from then on, so that round enters no gain and the next one drafts to be
     measured. The prior counts only after PLAIN_FIRST plain rounds of the batch's bucket; no round that also
-    reads a prompt drafts (it gives the policy no update, and drafting there sets requests apart).
+    reads a prompt drafts (it gives the policy no update, and drafting there sets requests apart). Tries under load
+    that cannot pay run within an exploration budget (EXPLORE_SHARE of the time served, net of what drafted rounds
+    won), and a bucket that drafts measures its plain rounds again now and then (REFRESH_*): the first ones of a
+    load run slow, and a gain measured against them alone would keep a losing bucket drafting.
     """
 
     name = "cost"
