@@ -1,4 +1,5 @@
 """Drafter training: block layout vs brute force, a tiny end-to-end run, exact resume, bad input."""
+import copy
 import json
 
 import pytest
@@ -17,8 +18,8 @@ from castspec.train.datagen import (PROMPTS_FILE, DataGenConfig, answered_prompt
     generate_dataset, load_prompts, load_records, self_written_prompts, shard_files)
 from castspec.train.diagnose import diagnose, ngram_baselines
 from castspec.train.replay import committed_per_round, replay_r, walk
-from castspec.train.trainer import (TrainConfig, TrainError, decay_weights, draw_anchors, drafter_config_for,
-    init_drafter, scale_fc_init, sequence_loss, target_features, target_pass, train)
+from castspec.train.trainer import (BatchFeed, TrainConfig, TrainError, TrainState, decay_weights, draw_anchors,
+    drafter_config_for, init_drafter, scale_fc_init, sequence_loss, target_features, target_pass, train)
 from conftest import llama_config, make_hf, native, random_drafter, tiny_tokenizer
 
 
@@ -128,6 +129,42 @@ def test_a_draft_vocabulary_of_every_token_leaves_the_loss_unchanged(tiny_data, 
     every, acc_every = sequence_loss(target, drafter, records[0], anchors, cfg, weights)
     torch.testing.assert_close(every, full)
     assert acc_every == acc
+
+
+@pytest.mark.parametrize("kl_weight", [0.0, 0.5])
+def test_a_cut_block_is_the_loss_of_a_drafter_with_that_block_size(tiny_data, kl_weight):
+    # --short-blocks: a sequence's blocks cut to N rows train exactly as a drafter of block size N would (the same
+    # weights, the first N - 1 position weights); uncut, the loss is the whole block's
+    target, records = tiny_data
+    cfg = tiny_config(kl_weight=kl_weight)
+    drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
+    anchors = draw_anchors(records[0], cfg, torch.Generator().manual_seed(0))
+    weights = decay_weights(cfg.block_size - 1, cfg.gamma)
+    whole, _ = sequence_loss(target, drafter, records[0], anchors, cfg, weights)
+    same, _ = sequence_loss(target, drafter, records[0], anchors, cfg, weights, block_rows=cfg.block_size)
+    cut, _ = sequence_loss(target, drafter, records[0], anchors, cfg, weights, block_rows=3)
+    small = copy.copy(drafter)
+    small.cfg = copy.copy(drafter.cfg)
+    small.cfg.block_size = 3
+    ref, _ = sequence_loss(target, small, records[0], anchors, cfg, weights[:2])
+    torch.testing.assert_close(same, whole)
+    torch.testing.assert_close(cut, ref)
+    assert not torch.allclose(cut, whole)
+
+
+def test_short_blocks_are_drawn_for_their_share_of_sequences_and_leave_other_runs_as_they_were(tiny_data):
+    _, records = tiny_data
+    draws = {}
+    for share in (0.0, 0.5):
+        cfg = tiny_config(short_blocks=share, seqs_per_step=8)
+        feed = BatchFeed(records, cfg, TrainState(), torch.Generator().manual_seed(0))
+        draws[share] = [item for _ in range(8) for item in feed.next()]
+    cuts = [cut for _, _, cut in draws[0.5]]
+    assert set(cuts) == {None, 3} and 0.25 < cuts.count(3) / len(cuts) < 0.75
+    assert all(cut is None for _, _, cut in draws[0.0])
+    # without the share the generator draws only anchors: the batches are those of runs before the option
+    first = draw_anchors(draws[0.0][0][0], tiny_config(), torch.Generator().manual_seed(0))
+    assert torch.equal(draws[0.0][0][1], first)
 
 
 def test_training_on_a_draft_vocabulary_ignores_other_tokens_and_ships_it(tiny_data, tmp_path):

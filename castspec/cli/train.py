@@ -74,7 +74,7 @@ def _train_drafter(args, out: Path, ranks) -> int:
                       norm_init=args.norm_init, init_from=args.init_from, init_from_target=args.init_from_target,
                       fc_init=args.fc_init, tap_layers=int_list("--taps", args.taps),
                       context_windows=args.context_window, kl_weight=args.kl_weight, draft_vocab=args.draft_vocab,
-                      gamma=args.gamma)
+                      gamma=args.gamma, short_blocks=args.short_blocks, short_block_rows=args.short_block_rows)
     # deferred, as in castspec.models.load: transformers is slow to import and only model loading needs it
     from transformers import AutoConfig
 
@@ -207,6 +207,10 @@ def register(sub) -> None:
     t.add_argument("--kl-weight", type=float, default=0.0, metavar="A",
                    help="loss = (1 - A) x cross-entropy on the target's tokens + A x KL(target || drafter) over "
                         "the whole vocabulary at each block position (0 = cross-entropy only)")
+    t.add_argument("--short-blocks", type=float, default=0.0, metavar="P",
+                   help="train this share of the sequences on blocks cut to --short-block-rows rows (root "
+                        "included), so that a batched pass may run cut blocks (0: whole blocks only)")
+    t.add_argument("--short-block-rows", type=int, default=3, metavar="N")
     t.add_argument("--gamma", type=float, default=7.0,
                    help="block position k's loss weight is exp(-(k-1)/gamma): smaller puts the drafter's capacity "
                         "on the first positions, which decide most rounds when few tokens are accepted")

@@ -81,6 +81,11 @@ class TrainConfig:
     # over those tokens alone, normalized over them as decoding normalizes q (labels outside it are ignored),
     # the head product reads a fraction of the target's lm_head, and the exports carry the vocabulary
     draft_vocab: str | None = None
+    # the share of sequences whose blocks are cut to `short_block_rows` rows (root + masks): a block's rows attend to
+    # each other both ways, so a drafter trained on whole blocks alone drafts poorly from a cut one, and a batched
+    # pass whose trees read only a block's first positions could run cut blocks (a pass for many requests is compute)
+    short_blocks: float = 0.0
+    short_block_rows: int = 3
 
 
 def drafter_config_for(target: Decoder, cfg: TrainConfig, rope: dict) -> DrafterConfig:
@@ -227,14 +232,17 @@ def draw_anchors(record: dict, cfg: TrainConfig, generator: torch.Generator) -> 
 
 
 def sequence_loss(target: Decoder, drafter: DFlashDrafter, record: dict, anchors: torch.Tensor, cfg: TrainConfig,
-                  weights: torch.Tensor, window: int = 0, model: torch.nn.Module | None = None):
+                  weights: torch.Tensor, window: int = 0, model: torch.nn.Module | None = None,
+                  block_rows: int | None = None):
     """Weighted block cross-entropy of one sequence at `anchors` (from draw_anchors, not empty); also the chain
-    acceptance of each block (for monitoring). `model` runs the forward in place of `drafter` (its DDP wrapper)."""
+    acceptance of each block (for monitoring). `model` runs the forward in place of `drafter` (its DDP wrapper);
+    `block_rows` cuts its blocks to that many rows (root included; None: the drafter's block size)."""
     prompt, response = record["prompt_ids"], record["response_ids"]
     tokens = torch.tensor((prompt + response)[:cfg.max_seq_len])
     T, P = tokens.numel(), len(prompt)
     loss_mask = torch.arange(T) >= P
-    bs = drafter.cfg.block_size
+    bs = block_rows or drafter.cfg.block_size
+    weights = weights[:bs - 1]
     rows = teacher_rows(anchors, bs, T) if cfg.kl_weight > 0 else None
     with torch.no_grad():
         feats, teacher = target_pass(target, tokens, drafter.cfg.target_layer_ids, rows, drafter.draft_vocab)
@@ -346,6 +354,11 @@ def train(target: Decoder, records: list[dict], out_dir: Path, cfg: TrainConfig,
         raise TrainError(f"--gamma must be positive, not {cfg.gamma}")
     if not 0.0 <= cfg.kl_weight <= 1.0:
         raise TrainError(f"--kl-weight must be between 0 and 1, not {cfg.kl_weight}")
+    if not 0.0 <= cfg.short_blocks <= 1.0:
+        raise TrainError(f"--short-blocks must be between 0 and 1, not {cfg.short_blocks}")
+    if cfg.short_blocks > 0 and not 2 <= cfg.short_block_rows <= cfg.block_size:
+        raise TrainError(f"--short-block-rows must be between 2 and the block size ({cfg.block_size}), "
+                         f"not {cfg.short_block_rows}")
     ranks = Ranks.current()
     if cfg.seqs_per_step < ranks.world:
         raise TrainError(f"{cfg.seqs_per_step} sequences per step cannot be shared by {ranks.world} ranks: "
@@ -435,8 +448,10 @@ class BatchFeed:
         self.records, self.cfg, self.state, self.gen = records, cfg, state, gen
         self.order = _order(len(records), cfg.seed, state.epoch)
 
-    def next(self) -> list[tuple[dict, torch.Tensor]]:
-        """(record, anchors) of the sequences of the next global batch that hold a block."""
+    def next(self) -> list[tuple[dict, torch.Tensor, int | None]]:
+        """(record, anchors, block rows) of the sequences of the next global batch that hold a block; block rows
+        None for whole blocks, else cut (a `short_blocks` share of the sequences, drawn from the same generator
+        only when that share is set, so runs without it draw as before)."""
         batch = []
         for _ in range(self.cfg.seqs_per_step):
             if self.state.cursor >= len(self.order):
@@ -446,13 +461,16 @@ class BatchFeed:
             rec = self.records[self.order[self.state.cursor]]
             self.state.cursor += 1
             anchors = draw_anchors(rec, self.cfg, self.gen)
+            cut = None
+            if self.cfg.short_blocks > 0 and torch.rand(1, generator=self.gen).item() < self.cfg.short_blocks:
+                cut = self.cfg.short_block_rows
             if anchors.numel():
-                batch.append((rec, anchors))
+                batch.append((rec, anchors, cut))
         return batch
 
 
 def accumulate_gradients(target: Decoder, drafter: DFlashDrafter, model: torch.nn.Module,
-                         batch: list[tuple[dict, torch.Tensor]], cfg: TrainConfig, weights: torch.Tensor,
+                         batch: list[tuple[dict, torch.Tensor, int | None]], cfg: TrainConfig, weights: torch.Tensor,
                          window: int, ranks: Ranks) -> list[float]:
     """Backward of this rank's share of a global batch; returns [loss sum, acceptance sum, sequences] of the share.
 
@@ -465,9 +483,9 @@ def accumulate_gradients(target: Decoder, drafter: DFlashDrafter, model: torch.n
     if idle:
         mine = batch[:1]
     sums = [0.0, 0.0, 0.0]
-    for i, (rec, anchors) in enumerate(mine):
+    for i, (rec, anchors, cut) in enumerate(mine):
         with ranks.local_backward(model, last=i == len(mine) - 1):
-            loss, acc = sequence_loss(target, drafter, rec, anchors, cfg, weights, window, model)
+            loss, acc = sequence_loss(target, drafter, rec, anchors, cfg, weights, window, model, cut)
             (loss * 0.0 if idle else loss * ranks.world / cfg.seqs_per_step).backward()
         if not idle:
             sums = [sums[0] + loss.item(), sums[1] + acc, sums[2] + 1]
