@@ -3,7 +3,7 @@ timed right after the batch's verify as rounds run it, and that verify (B reques
 REPS passes, one JSON line per repeat.
 
     python scripts/batched_pass.py [--batch 16] [--depths 7,2,1] [--prefix 128] [--context 3] [--reps 9]
-        [--repeats 3]
+        [--repeats 3] [--cut-block 3]
 
 --context: the new context rows each request's pass fuses (3 as a round that drafted the round before; up to
 --prefix as a catch-up, whose pass fuses what its requests gathered since they last drafted, their prompts at first).
@@ -14,6 +14,7 @@ before a change can be timed in turn with one after it. Nothing else should run 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
 import torch
@@ -36,6 +37,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=CONTEXT, help="new context rows a request's pass fuses")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cut-block", type=int, default=0, metavar="N",
+                   help="also time each depth below N with every block cut to N rows (root included), in turn with "
+                        "the whole blocks (a drafter trained with train-drafter --short-blocks drafts from such blocks)")
     args = p.parse_args()
     engine = castspec.load()
     target, drafter = engine.target, engine.drafter
@@ -57,19 +61,32 @@ def main() -> None:
 
         # probe._draft_calls' passes at one depth each: written out here because checkouts from before the
         # depth existed (the ones this script times in turn) have no way to ask that helper for it
-        def pass_at(depth: int):
+        whole = drafter.cfg
+        cut = copy.copy(whole)
+        cut.block_size = args.cut_block or whole.block_size
+
+        def pass_at(depth: int, cfg=whole):
             def draft():
                 for st, c, end in zip(states, pending, ends):
                     st.cache.length = end - args.context
                     st.pending = c[:, -args.context:]
-                propose_batch(target, drafter, states, roots, [depth] * B)
+                drafter.cfg = cfg  # the block size propose_batch reads
+                try:
+                    propose_batch(target, drafter, states, roots, [depth] * B)
+                finally:
+                    drafter.cfg = whole
             return draft
 
+        cut_depths = [d for d in depths if args.cut_block and d < args.cut_block]
+        calls = [pass_at(d) for d in depths] + [pass_at(d, cut) for d in cut_depths] + [verify]
         for repeat in range(args.repeats):
-            ms = _medians_ms([pass_at(d) for d in depths] + [verify], args.reps, 2, target.device, verify)
-            print(json.dumps({"repeat": repeat, "batch": B, "prefix": args.prefix, "context": args.context,
-                              "pass_ms": {str(d): round(m, 3) for d, m in zip(depths, ms)},
-                              "verify_ms": round(ms[-1], 3)}), flush=True)
+            ms = _medians_ms(calls, args.reps, 2, target.device, verify)
+            line = {"repeat": repeat, "batch": B, "prefix": args.prefix, "context": args.context,
+                    "pass_ms": {str(d): round(m, 3) for d, m in zip(depths, ms)}, "verify_ms": round(ms[-1], 3)}
+            if cut_depths:
+                line["cut_block"] = args.cut_block
+                line["cut_pass_ms"] = {str(d): round(m, 3) for d, m in zip(cut_depths, ms[len(depths):-1])}
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
