@@ -94,6 +94,9 @@ class DrafterConfig:
     max_positions: int = 32768
     attention_bias: bool = False
     vocab_size: int | None = None
+    # a drafter trained also on blocks cut to this many rows (train-drafter --short-blocks): a batched pass whose
+    # trees read no deeper than such a block may run its blocks cut (castspec's own field; 0: whole blocks only)
+    short_block_rows: int = 0
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -102,6 +105,8 @@ class DrafterConfig:
             raise ConfigError("drafter has no target_layer_ids")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"drafter heads {self.num_heads} not a multiple of kv heads {self.num_kv_heads}")
+        if self.short_block_rows and not 2 <= self.short_block_rows <= self.block_size:
+            raise ConfigError(f"drafter short_block_rows {self.short_block_rows} outside 2..{self.block_size}")
 
     @property
     def num_draft_positions(self) -> int:
@@ -135,6 +140,7 @@ class DrafterConfig:
                 max_positions=cfg.get("max_position_embeddings", 32768),
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 vocab_size=cfg.get("vocab_size"),
+                short_block_rows=int(dflash.get("short_block_rows") or 0),
             )
         except KeyError as e:
             raise ConfigError(f"drafter config.json lacks field {e.args[0]!r}") from None
@@ -160,8 +166,14 @@ class DrafterConfig:
             "tie_word_embeddings": False,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                              **({"short_block_rows": self.short_block_rows} if self.short_block_rows else {})},
         }
+
+    def block_rows(self, depth: int) -> int:
+        """The rows of a block whose trees read its first `depth` positions: cut to short_block_rows where the
+        drafter was trained on such blocks and they hold those positions, else the whole block."""
+        return self.short_block_rows if 0 < depth < self.short_block_rows else self.block_size
 
 
 METHODS = ("ar", "chain", "cast")

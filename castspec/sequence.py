@@ -88,7 +88,9 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
     concatenated (ragged, no padding), each block attending to its own cache only. Returns per-sequence
     log-probabilities [depth_i, V] with their support (`Marginals`)."""
     device = target.device
-    L = drafter.cfg.num_draft_positions
+    # a batched pass whose trees read only a block's first positions runs its blocks cut, where the drafter was
+    # trained so (one request's pass keeps its whole block: its trees read it, and CUDA graphs hold its shape)
+    L = (drafter.cfg.block_rows(max(depths)) if len(states) > 1 else drafter.cfg.block_size) - 1
     max_pos = drafter.cfg.max_positions - 1
     masks = [drafter.cfg.mask_token_id] * L
     feats, segments = [], []

@@ -3,6 +3,7 @@ causal prefill chunks, packed trees; and the drafter's block pass (csrc/draft.c)
 BF16 CPUs, the AVX2 one on AVX2 CPUs, the emulated one elsewhere (native_support); tiny models, since the
 emulated code is slow."""
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -464,6 +465,39 @@ def test_a_pass_of_many_requests_gives_each_the_bits_of_its_own_pass(dtype):
     for a, b in zip(many, alone):
         assert a.cache.length == b.cache.length
         assert torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v)
+
+
+@pytest.mark.usefixtures("lib")
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_a_drafter_trained_on_cut_blocks_drafts_a_shallow_batch_from_cut_blocks(native_pass):
+    """A drafter whose config says it was trained on blocks cut to 3 rows (train-drafter --short-blocks): a pass of
+    several requests whose trees read at most 2 positions runs blocks of 3 rows (the marginals of the same weights
+    with a block size of 3); deeper, and for one request alone, its whole blocks."""
+    target = native_target(make_hf(llama_config(vocab=64), seed=1), torch.float32)
+    cut, whole, small = (random_drafter(target, block_size=6) for _ in range(3))
+    cut.cfg = dataclasses.replace(cut.cfg, short_block_rows=3)
+    small.cfg = dataclasses.replace(small.cfg, block_size=3)
+    for m in (cut, whole, small):
+        m.set_draft_vocab(torch.arange(0, 64, 2))
+        if not native_pass:
+            _torch_only(m)
+    width = len(cut.cfg.target_layer_ids) * target.cfg.hidden_size
+    g = torch.Generator().manual_seed(4)
+    feats = [torch.randn(1, n, width, generator=g) for n in (6, 4)]
+
+    def propose(m, depths, requests=2):
+        states = [DraftState(m, 64) for _ in range(requests)]
+        for st, f in zip(states, feats):
+            st.add_context(f)
+        return propose_batch(target, m, states, [5, 9][:requests], depths)
+
+    with torch.inference_mode():
+        for depths, same_as in (([2, 1], small), ([2, 2], small), ([4, 2], whole)):
+            for got, want in zip(propose(cut, depths), propose(same_as, depths)):
+                torch.testing.assert_close(got.on_support, want.on_support, rtol=1e-5, atol=1e-5)
+        alone_cut, alone_whole = propose(cut, [2], 1)[0], propose(whole, [2], 1)[0]
+        torch.testing.assert_close(alone_cut.on_support, alone_whole.on_support, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(propose(cut, [2, 1])[0].on_support, propose(whole, [2, 1])[0].on_support)
 
 
 @pytest.mark.usefixtures("lib")

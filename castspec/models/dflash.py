@@ -148,11 +148,13 @@ class DFlashDrafter(nn.Module):
         sub = torch.log_softmax(scores.float(), dim=-1)
         return Marginals(sub, self.draft_vocab, target.head_weight.shape[0])
 
-    def block_marginals(self, hidden: torch.Tensor, depths: list[int], target) -> list[Marginals]:
-        """Per-request marginals of a pass over len(depths) blocks: hidden [blocks * (L + 1), H] holds each block's
-        final-normed rows, its root's first; request i drafts its first depths[i] rows after the root. With a draft
-        vocabulary on castspec's C library, the rows' head product and log-softmax are one native call."""
-        rows = self._drafting_rows(depths)
+    def block_marginals(self, hidden: torch.Tensor, depths: list[int], target,
+                        block_rows: int | None = None) -> list[Marginals]:
+        """Per-request marginals of a pass over len(depths) blocks: hidden [blocks * block_rows, H] holds each block's
+        final-normed rows, its root's first (block_rows: the pass's rows a block, by default the whole block's L + 1);
+        request i drafts its first depths[i] rows after the root. With a draft vocabulary on castspec's C library,
+        the rows' head product and log-softmax are one native call."""
+        rows = self._drafting_rows(depths, block_rows)
         if self.draft_vocab is not None:
             code, head = self.backend.built, self.vocab_head(target)
             if code is not None and self._native_head(head):  # the head's arithmetic of the native pass (int8)
@@ -175,10 +177,10 @@ class DFlashDrafter(nn.Module):
             head, embed = self.vocab_head(target), target.embedding_table
             if code.takes(head, embed, self._native_head, self._native_embedding):
                 sub = code.marginals(block_ids, block_pos, features, ctx_pos, segments, head,
-                                     self._drafting_rows(depths), embed)
+                                     self._drafting_rows(depths, segments[0].block_length), embed)
                 return Marginals(sub, self.draft_vocab, self._sub_head[0].shape[0]).split(depths)
         hidden = self.forward_segments(target.embed(block_ids), block_pos, features, ctx_pos, segments)
-        return self.block_marginals(hidden[0], depths, target)
+        return self.block_marginals(hidden[0], depths, target, segments[0].block_length)
 
     def _native_head(self, head: torch.Tensor) -> bool:
         """Whether the drafter's native code multiplies by this draft-vocabulary head (packing it as its layers)."""
@@ -190,10 +192,10 @@ class DFlashDrafter(nn.Module):
         return (table.dtype == self.dtype and table.dim() == 2 and table.shape[1] == self.cfg.hidden_size
                 and table.is_contiguous())
 
-    def _drafting_rows(self, depths: list[int]) -> list[int]:
-        """The rows of a pass over len(depths) blocks whose marginals the trees read: block i's first depths[i]
-        rows after its root."""
-        L1 = self.cfg.num_draft_positions + 1
+    def _drafting_rows(self, depths: list[int], block_rows: int | None = None) -> list[int]:
+        """The rows of a pass over len(depths) blocks of `block_rows` rows each (default: whole blocks) whose
+        marginals the trees read: block i's first depths[i] rows after its root."""
+        L1 = block_rows or self.cfg.num_draft_positions + 1
         return [i * L1 + j for i, d in enumerate(depths) for j in range(1, d + 1)]
 
     def vocab_head(self, target) -> torch.Tensor:

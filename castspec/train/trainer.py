@@ -95,7 +95,8 @@ def drafter_config_for(target: Decoder, cfg: TrainConfig, rope: dict) -> Drafter
                          num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
                          rms_norm_eps=t.rms_norm_eps, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                          target_layer_ids=taps, num_target_layers=t.num_layers, rope_parameters=dict(rope),
-                         max_positions=t.max_positions, vocab_size=t.vocab_size)
+                         max_positions=t.max_positions, vocab_size=t.vocab_size,
+                         short_block_rows=cfg.short_block_rows if cfg.short_blocks > 0 else 0)
 
 
 def init_drafter(target: Decoder, dcfg: DrafterConfig, from_target: bool, seed: int,
@@ -168,7 +169,7 @@ def warm_start(drafter: DFlashDrafter, path: Path) -> None:
     except Exception as e:
         raise TrainError(f"cannot warm-start from {path}: {type(e).__name__}: {e}") from None
     mine = drafter.cfg
-    other = replace(other, block_size=mine.block_size)
+    other = replace(other, block_size=mine.block_size, short_block_rows=mine.short_block_rows)  # no weight reads them
     slots = tap_slots(other.target_layer_ids, mine.target_layer_ids)
     same_rest = replace(other, num_layers=mine.num_layers,
                         target_layer_ids=list(mine.target_layer_ids)).to_json() == mine.to_json()
