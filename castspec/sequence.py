@@ -106,14 +106,15 @@ def propose_batch(target: Decoder, drafter: DFlashDrafter, states: list[DraftSta
         end = root_pos + L + 1
         # near the end of the context the block's trailing rows (never used: depth is capped) would sit past the
         # last position; pin them to it rather than shrink the block, which would change the rows we do use
-        block_pos.extend(range(root_pos, end) if end <= max_pos + 1 else (min(p, max_pos) for p in range(root_pos, end)))
+        block_pos.extend(range(root_pos, end) if end <= max_pos + 1 else
+                         (min(p, max_pos) for p in range(root_pos, end)))
         segments.append(DraftSegment(st.cache, start, ctx_len, L + 1))
         st.pending = None
     T = len(block_ids)
     flat = torch.tensor(block_ids + block_pos + ctx_pos, device=device)  # one tensor made, not three
     return drafter.propose_segments(  # one head product for all blocks
-        target, flat[:T].view(1, T), flat[T:2 * T].view(1, T), feats[0] if len(feats) == 1 else torch.cat(feats, dim=1),
-        flat[2 * T:].view(1, -1), segments, depths)
+        target, flat[:T].view(1, T), flat[T:2 * T].view(1, T),
+        feats[0] if len(feats) == 1 else torch.cat(feats, dim=1), flat[2 * T:].view(1, -1), segments, depths)
 
 
 def request_taps(drafter: DFlashDrafter | None, cfg: DecodeConfig) -> tuple[int, ...]:

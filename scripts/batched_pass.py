@@ -38,8 +38,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cut-block", type=int, default=0, metavar="N",
-                   help="also time each depth below N with every block cut to N rows (root included), in turn with "
-                        "the whole blocks (a drafter trained with train-drafter --short-blocks drafts from such blocks)")
+                   help="also time each depth below N with every block cut to N rows (root included), in turn "
+                        "with the whole blocks (a drafter trained with train-drafter --short-blocks drafts from "
+                        "such blocks)")
     args = p.parse_args()
     engine = castspec.load()
     target, drafter = engine.target, engine.drafter

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from castspec.allocate import (DRAFTED_FIRST, PLAIN_FIRST, REFRESH_EVERY, REFRESH_ROUNDS, Chain, CostAware, FixedWidth, PolicySpec, SharedBudget,
-                               UniformSplit, make_policy)
+from castspec.allocate import (DRAFTED_FIRST, PLAIN_FIRST, REFRESH_EVERY, REFRESH_ROUNDS, Chain, CostAware,
+                               FixedWidth, PolicySpec, SharedBudget, UniformSplit, make_policy)
 from castspec.round import run_round, warm_up
 from castspec.config import DecodeConfig
 from castspec.cost import BATCH_DRAFT_DEPTH, CostProfile, RoundWidth

@@ -117,13 +117,18 @@ def test_tiny_training_learns_and_decodes_exactly(tiny_data, tmp_path):
             assert out == ar
 
 
-@pytest.mark.parametrize("kl_weight", [0.0, 0.5])
-def test_a_draft_vocabulary_of_every_token_leaves_the_loss_unchanged(tiny_data, kl_weight):
+def _one_sequence(tiny_data, kl_weight: float):
+    """A fresh drafter and the first record's anchors, config and position weights: one sequence's loss inputs."""
     target, records = tiny_data
     cfg = tiny_config(kl_weight=kl_weight)
     drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
     anchors = draw_anchors(records[0], cfg, torch.Generator().manual_seed(0))
-    weights = decay_weights(cfg.block_size - 1, cfg.gamma)
+    return target, records, cfg, drafter, anchors, decay_weights(cfg.block_size - 1, cfg.gamma)
+
+
+@pytest.mark.parametrize("kl_weight", [0.0, 0.5])
+def test_a_draft_vocabulary_of_every_token_leaves_the_loss_unchanged(tiny_data, kl_weight):
+    target, records, cfg, drafter, anchors, weights = _one_sequence(tiny_data, kl_weight)
     full, acc = sequence_loss(target, drafter, records[0], anchors, cfg, weights)
     drafter.set_draft_vocab(torch.arange(target.cfg.vocab_size))
     every, acc_every = sequence_loss(target, drafter, records[0], anchors, cfg, weights)
@@ -135,11 +140,7 @@ def test_a_draft_vocabulary_of_every_token_leaves_the_loss_unchanged(tiny_data, 
 def test_a_cut_block_is_the_loss_of_a_drafter_with_that_block_size(tiny_data, kl_weight):
     # --short-blocks: a sequence's blocks cut to N rows train exactly as a drafter of block size N would (the same
     # weights, the first N - 1 position weights); uncut, the loss is the whole block's
-    target, records = tiny_data
-    cfg = tiny_config(kl_weight=kl_weight)
-    drafter = init_drafter(target, drafter_config_for(target, cfg, ROPE), from_target=False, seed=0)
-    anchors = draw_anchors(records[0], cfg, torch.Generator().manual_seed(0))
-    weights = decay_weights(cfg.block_size - 1, cfg.gamma)
+    target, records, cfg, drafter, anchors, weights = _one_sequence(tiny_data, kl_weight)
     whole, _ = sequence_loss(target, drafter, records[0], anchors, cfg, weights)
     same, _ = sequence_loss(target, drafter, records[0], anchors, cfg, weights, block_rows=cfg.block_size)
     cut, _ = sequence_loss(target, drafter, records[0], anchors, cfg, weights, block_rows=3)
