@@ -14,7 +14,7 @@ before a change can be timed in turn with one after it. Nothing else should run 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 
 import torch
@@ -63,8 +63,7 @@ def main() -> None:
         # probe._draft_calls' passes at one depth each: written out here because checkouts from before the
         # depth existed (the ones this script times in turn) have no way to ask that helper for it
         whole = drafter.cfg
-        cut = copy.copy(whole)
-        cut.block_size = args.cut_block or whole.block_size
+        cut = dataclasses.replace(whole, block_size=args.cut_block or whole.block_size)
 
         def pass_at(depth: int, cfg=whole):
             def draft():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 
 import torch
@@ -28,8 +29,7 @@ def main() -> None:
     records = torch.load(args.records)
     for block in (drafter.cfg.block_size, 3):
         cut = copy.copy(drafter)  # the same weights; only the block size read by the replay differs
-        cut.cfg = copy.copy(drafter.cfg)
-        cut.cfg.block_size = block
+        cut.cfg = dataclasses.replace(drafter.cfg, block_size=block)
         with torch.inference_mode():
             r = replay_r(target, cut, records, widths=())
         print(json.dumps({"block_size": block, "records": len(records),
